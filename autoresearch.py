@@ -1,0 +1,362 @@
+"""AutoResearch: improve a training script on a seeded dataset (CAMG, MLE-bench style).
+
+The workspace holds a small tabular classification task and a baseline that is deliberately weak:
+
+    README.md            the task, the baseline's test accuracy, the reward formula
+    train.py             logistic regression in numpy with knobs at the top; writes predictions.csv
+    data/train.csv       features x0..x7 and the label y
+    data/val.csv         the same, for local validation
+    data/test.csv        features only: the labels stay in the environment, never on disk
+
+The agent edits and runs code through the shell, then submits:
+
+    env = AutoResearchEnv(seed=0)
+    obs = env.reset(env.tasks("test")[0])
+    obs, reward, done = env.step("shell: sed -i 's/^STANDARDIZE = .*/STANDARDIZE = True/' train.py")
+    obs, reward, done = env.step("run")          # = shell: python train.py (prints val accuracy)
+    obs, reward, done = env.step("evaluate")     # scores predictions.csv on the hidden labels; ends
+
+Reward (paid at `evaluate`): `clip((acc - baseline) / (reference - baseline), 0, 1)` where acc is
+the test accuracy of predictions.csv, baseline the accuracy of the unchanged train.py and reference
+that of a stronger known solution (standardised features, linear or quadratic, chosen on the
+validation split, more steps), both computed in-process from the same script text when the task is
+first reset. success = reward >= SUCCESS_THRESHOLD (0.5: at least half of the known headroom).
+Every shell command (and `run`) has a wall-clock budget of `run_timeout` seconds; the episode has
+`max_steps` actions (default 20). env.info: success, accuracy, baseline, reference, steps, ...
+
+Difficulty: 0 = mildly mis-scaled linear data (more steps or standardising fixes it);
+1 = badly scaled linear data (needs STANDARDIZE); 2 = a quadratic boundary (needs POLY_DEGREE = 2).
+Memory: tasks of a group (a "lab") share these failure modes, so the recipe that worked is worth
+keeping. The reference policy keeps it in `.agent_memory/notes.md` (`- best recipe: KNOB=value ...`)
+and, when the note exists, applies it first instead of trying recipes one by one.
+
+Simplified on purpose: one model family and one metric (accuracy), small data (1,500 training
+rows, 8 columns) so that a run takes well under a second on 2 cores; no leaderboard, no medals.
+"""
+
+import re
+import shutil
+
+import numpy as np
+
+from envs import Task
+
+MEMORY_DIR = ".agent_memory"
+SUCCESS_THRESHOLD = 0.5
+NUM_TRAIN, NUM_VAL, NUM_TEST, NUM_COLUMNS = 1500, 500, 1000, 8
+ACTIONS_LINE = "Actions: shell: <command> | run | evaluate"
+VALID_FORMS = ("Valid actions: shell: <command> (e.g. shell: cat train.py) | run (= python train.py) | "
+               "evaluate (scores predictions.csv on the hidden test labels; ends the episode)")
+
+TRAIN_SCRIPT = '''"""Baseline: logistic regression trained by full-batch gradient descent (numpy only).
+Edit the settings, run `python train.py` (writes predictions.csv), then use the `evaluate` action."""
+import numpy as np
+
+# --- settings
+STANDARDIZE = False   # scale each column to mean 0, std 1 (statistics of the training rows)
+POLY_DEGREE = 1       # 2 also adds every product x_i * x_j (squares included)
+EPOCHS = 20           # full-batch gradient steps
+LR = 0.05             # learning rate
+L2 = 0.0              # weight decay
+
+
+def load(path):
+    return np.loadtxt(path, delimiter=",", skiprows=1, ndmin=2)
+
+
+def features(X, stats):
+    if STANDARDIZE:
+        X = (X - stats[0]) / stats[1]
+    if POLY_DEGREE >= 2:
+        i, j = np.triu_indices(X.shape[1])
+        X = np.hstack([X, X[:, i] * X[:, j]])
+    return X
+
+
+def fit(X, y):
+    w, b = np.zeros(X.shape[1]), 0.0
+    for _ in range(EPOCHS):
+        p = 1 / (1 + np.exp(-np.clip(X @ w + b, -30, 30)))
+        g = p - y
+        w -= LR * (X.T @ g / len(y) + L2 * w)
+        b -= LR * g.mean()
+    return w, b
+
+
+def run(train, val, test):
+    X, y = train[:, :-1], train[:, -1]
+    stats = (X.mean(0), X.std(0) + 1e-8)
+    w, b = fit(features(X, stats), y)
+    predict = lambda A: (features(A, stats) @ w + b > 0).astype(int)
+    val_acc = float((predict(val[:, :-1]) == val[:, -1]).mean())
+    return predict(test), val_acc
+
+
+if __name__ == "__main__":
+    preds, val_acc = run(load("data/train.csv"), load("data/val.csv"), load("data/test.csv"))
+    np.savetxt("predictions.csv", preds, fmt="%d", header="y", comments="")
+    print(f"val accuracy {val_acc:.4f}; wrote predictions.csv ({len(preds)} rows)")
+'''
+# the stronger known solutions; the reference is whichever validates better
+REFERENCE_RECIPES = ({"STANDARDIZE": "True", "POLY_DEGREE": "1", "EPOCHS": "300", "LR": "0.5"},
+                     {"STANDARDIZE": "True", "POLY_DEGREE": "2", "EPOCHS": "300", "LR": "0.5"})
+
+
+# --- reward: a pure function
+
+def normalized_score(accuracy: float, baseline: float, reference: float) -> tuple[float, dict]:
+    assert reference > baseline, f"reference {reference} must beat baseline {baseline}"
+    reward = float(np.clip((accuracy - baseline) / (reference - baseline), 0.0, 1.0))
+    return reward, {"accuracy": accuracy, "baseline": baseline, "reference": reference}
+
+
+def with_settings(script: str, settings: dict) -> str:
+    """Rewrite the `NAME = value` lines of the settings block (what `sed -i` does in the shell)."""
+    for name, value in settings.items():
+        script, n = re.subn(rf"^{name} = [^#\n]*?(\s*#|$)", rf"{name} = {value}\1", script, count=1, flags=re.M)
+        assert n == 1, f"setting {name} not found in the script"
+    return script
+
+
+def run_script(script: str, train, val, test):
+    """Run the script's `run()` in-process (same text as the workspace's train.py)."""
+    namespace = {"__name__": "autoresearch_task"}
+    exec(compile(script, "train.py", "exec"), namespace)
+    return namespace["run"](train, val, test)
+
+
+# --- datasets, generated from the task's seed
+
+def make_dataset(seed: int, difficulty: int):
+    """-> X [N, 8] float, y [N] in {0, 1}; N = train + val + test rows."""
+    rng = np.random.default_rng(seed)
+    n = NUM_TRAIN + NUM_VAL + NUM_TEST
+    Z = rng.normal(size=(n, NUM_COLUMNS))
+    if difficulty == 2:   # a quadratic boundary: a product of two columns plus a square
+        i, j = rng.choice(NUM_COLUMNS, 2, replace=False)
+        k = int(rng.integers(NUM_COLUMNS))
+        logits = 2 * Z[:, i] * Z[:, j] + (Z[:, k] ** 2 - 1) + 0.25 * Z @ rng.normal(size=NUM_COLUMNS)
+    else:
+        logits = Z @ rng.normal(size=NUM_COLUMNS)
+    logits = 3 * logits / logits.std()
+    y = (logits + 0.5 * rng.logistic(size=n) > 0).astype(int)
+    # mis-scaled columns are what breaks plain gradient descent: mild at 0, severe at 1 and 2
+    top = 1.2 if difficulty == 0 else 3.0
+    scale = 10 ** rng.uniform(0.3 if difficulty == 0 else 0.0, top, NUM_COLUMNS)
+    offset = rng.uniform(-1 if difficulty == 0 else -3, 1 if difficulty == 0 else 3, NUM_COLUMNS) * scale
+    X = np.round(Z * scale + offset, 4)
+    return X, y
+
+
+def to_csv(X, y=None) -> str:
+    cols = [f"x{i}" for i in range(X.shape[1])] + (["y"] if y is not None else [])
+    rows = [",".join(f"{v:.4f}" for v in x) + (f",{int(t)}" if y is not None else "") for x, t in
+            zip(X, y if y is not None else [None] * len(X))]
+    return ",".join(cols) + "\n" + "\n".join(rows) + "\n"
+
+
+# --- the environment
+
+class AutoResearchEnv:
+    def __init__(self, seed: int = 0, num_train_groups: int = 16, num_test_groups: int = 11,
+                 tasks_per_group: int = 12, max_steps: int = 20, run_timeout: float = 20.0):
+        assert tasks_per_group % 3 == 0, "tasks_per_group must be a multiple of 3 (one third per difficulty)"
+        self.config = dict(seed=seed, num_train_groups=num_train_groups, num_test_groups=num_test_groups,
+                           tasks_per_group=tasks_per_group, max_steps=max_steps, run_timeout=run_timeout)
+        self.seed, self.max_steps, self.run_timeout = seed, max_steps, run_timeout
+        self._tasks = {"train": [], "test": []}
+        for g in range(num_train_groups + num_test_groups):
+            split = "train" if g < num_train_groups else "test"
+            for k in range(tasks_per_group):
+                difficulty = 3 * k // tasks_per_group
+                self._tasks[split].append(Task(
+                    id=f"autoresearch/lab{g:02d}/t{k:02d}", env="autoresearch", difficulty=difficulty,
+                    group=f"lab{g:02d}", split=split, data={"seed": int(seed * 100_003 + g * 1_000 + k)}))
+        self._built = {}  # task id -> (files, hidden test labels, baseline, reference); built on first reset
+        self.sandbox = None
+        self.task, self.info, self.done = None, {}, True
+
+    def tasks(self, split: str) -> list[Task]:
+        assert split in self._tasks, f"split must be 'train' or 'test', got {split!r}"
+        return list(self._tasks[split])
+
+    def clone(self):
+        return AutoResearchEnv(**self.config)
+
+    def build(self, task: Task):
+        """Dataset, workspace files, hidden labels and the two reference accuracies of one task."""
+        if task.id not in self._built:
+            seed = task.data["seed"]
+            while True:  # redraw the rare dataset where the baseline already matches the reference
+                X, y = make_dataset(seed, task.difficulty)
+                a, b = NUM_TRAIN, NUM_TRAIN + NUM_VAL
+                train, val = np.column_stack([X[:a], y[:a]]), np.column_stack([X[a:b], y[a:b]])
+                test_X, test_y = X[b:], y[b:]
+                base_pred, _ = run_script(TRAIN_SCRIPT, train, val, test_X)
+                baseline = float((base_pred == test_y).mean())
+                runs = [run_script(with_settings(TRAIN_SCRIPT, r), train, val, test_X) for r in REFERENCE_RECIPES]
+                best_pred = max(runs, key=lambda r: r[1])[0]   # model selection on validation, as a person would
+                reference = float((best_pred == test_y).mean())
+                if reference - baseline >= 0.05:
+                    break
+                seed += 7919
+            readme = (f"# Task {task.id}\nBinary classification of `y` from x0..x{NUM_COLUMNS - 1}.\n"
+                      f"- data/train.csv ({NUM_TRAIN} rows), data/val.csv ({NUM_VAL} rows): features and label y\n"
+                      f"- data/test.csv ({NUM_TEST} rows): features only; labels are hidden\n"
+                      "- train.py: the baseline; `python train.py` writes predictions.csv (header y, one 0/1 per row)\n"
+                      f"- baseline test accuracy {baseline:.4f}; a stronger known solution reaches {reference:.4f}\n"
+                      "- reward = clip((accuracy - baseline) / (reference - baseline), 0, 1), given by `evaluate`\n")
+            files = {"README.md": readme, "train.py": TRAIN_SCRIPT, "data/train.csv": to_csv(train[:, :-1], y[:a]),
+                     "data/val.csv": to_csv(val[:, :-1], y[a:b]), "data/test.csv": to_csv(test_X)}
+            if len(self._built) >= 8:  # a stream touches one task at a time; keep memory flat
+                self._built.pop(next(iter(self._built)))
+            self._built[task.id] = (files, test_y, baseline, reference)
+        return self._built[task.id]
+
+    # --- workspace (files are the memory)
+
+    @property
+    def workdir(self):
+        if self.sandbox is None:
+            from sandbox import Sandbox  # imported late: listing tasks needs no shell
+            self.sandbox = Sandbox(timeout=self.run_timeout)
+            (self.sandbox.workdir / MEMORY_DIR).mkdir(exist_ok=True)
+        return self.sandbox.workdir
+
+    def memory_files(self) -> dict:
+        mem = self.workdir / MEMORY_DIR
+        return {str(p.relative_to(mem)): p.read_text(errors="replace") for p in sorted(mem.rglob("*")) if p.is_file()}
+
+    def set_memory_files(self, files: dict) -> None:
+        mem = self.workdir / MEMORY_DIR
+        shutil.rmtree(mem, ignore_errors=True)
+        mem.mkdir()
+        for rel, text in files.items():
+            path = (mem / rel).resolve()
+            assert path.is_relative_to(mem.resolve()), f"memory file {rel!r} escapes {MEMORY_DIR}/"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+
+    def close(self):
+        if self.sandbox is not None:
+            self.sandbox.close()
+            self.sandbox = None
+
+    def _shell(self, command: str) -> str:
+        r = self.sandbox.run(command, timeout=self.run_timeout)
+        out = r.output if len(r.output) <= 2000 else r.output[:1000] + "\n...[truncated]...\n" + r.output[-1000:]
+        status = f"timed out after {self.run_timeout:.0f}s" if r.timed_out else f"exit {r.exit_code}"
+        return f"$ {command}\n{out.rstrip()}\n({status})"
+
+    # --- episode
+
+    def reset(self, task: Task) -> str:
+        assert task.env == "autoresearch", f"AutoResearchEnv got a task of env {task.env!r}"
+        files, self.hidden_labels, self.baseline, self.reference = self.build(task)
+        workdir = self.workdir
+        for p in workdir.iterdir():  # a fresh copy of the task; only the memory folder carries over
+            if p.name != MEMORY_DIR:
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        (workdir / MEMORY_DIR).mkdir(exist_ok=True)
+        for rel, text in files.items():
+            (workdir / rel).parent.mkdir(parents=True, exist_ok=True)
+            (workdir / rel).write_text(text)
+        self.task, self.done, self.steps = task, False, 0
+        self.info = {"success": False, "reward": 0.0, "accuracy": 0.0, "baseline": self.baseline,
+                     "reference": self.reference, "steps": 0, "num_shell": 0, "num_runs": 0, "num_invalid": 0}
+        return (f"Task: improve train.py so that its test predictions beat the baseline "
+                f"(test accuracy {self.baseline:.4f}; reference {self.reference:.4f}). See README.md.\n"
+                f"Files: README.md train.py data/train.csv data/val.csv data/test.csv\n{ACTIONS_LINE}\n"
+                f"Memory folder: {MEMORY_DIR}/ (kept across tasks)")
+
+    def step(self, action: str):
+        assert self.task is not None, "call reset(task) before step()"
+        if self.done:
+            return "The episode is over; call reset().", 0.0, True
+        self.steps += 1
+        self.info["steps"] = self.steps
+        obs, reward = self._act((action or "").strip()), 0.0
+        if isinstance(obs, tuple):  # an evaluation: (observation, reward)
+            obs, reward = obs
+            self.done = True
+        if not self.done and self.steps >= self.max_steps:
+            self.done = True
+            obs += f"\nOut of actions ({self.max_steps}); nothing evaluated, reward 0."
+        return obs, reward, self.done
+
+    def _invalid(self, why: str) -> str:
+        self.info["num_invalid"] += 1
+        return f"{why}\n{VALID_FORMS}"
+
+    def _act(self, action: str):
+        m = re.match(r"(?:shell|shell_command)\s*:\s*(.*)$", action, re.S | re.I)
+        if m:
+            if not m.group(1).strip():
+                return self._invalid("Empty shell command.")
+            self.info["num_shell"] += 1
+            return self._shell(m.group(1).strip())
+        if re.fullmatch(r"run(\[\])?", action, re.I):
+            self.info["num_runs"] += 1
+            return self._shell("python train.py")
+        if re.fullmatch(r"evaluate(\[\])?|submit", action, re.I):
+            return self._evaluate()
+        return self._invalid(f"Unknown action {action[:80]!r}.")
+
+    def _evaluate(self):
+        path = self.workdir / "predictions.csv"
+        if not path.is_file():
+            return self._invalid("No predictions.csv in the workspace yet: write it first (e.g. run).")
+        lines = [s.strip() for s in path.read_text(errors="replace").splitlines() if s.strip()]
+        if lines and lines[0].lower() == "y":
+            lines = lines[1:]
+        if len(lines) != NUM_TEST or any(s not in ("0", "1") for s in lines):
+            return self._invalid(f"predictions.csv must hold {NUM_TEST} lines of 0 or 1 (after an optional "
+                                 f"header y); found {len(lines)} lines.")
+        accuracy = float((np.array([int(s) for s in lines]) == self.hidden_labels).mean())
+        reward, parts = normalized_score(accuracy, self.baseline, self.reference)
+        self.info.update(parts, reward=reward, success=reward >= SUCCESS_THRESHOLD)
+        return (f"Test accuracy {accuracy:.4f} (baseline {self.baseline:.4f}, reference {self.reference:.4f}): "
+                f"reward {reward:.2f}."), reward
+
+    # --- scripted reference policy: try known recipes, keep the best in memory, evaluate
+
+    def reference_policy(self, task: Task):
+        notes = f"{MEMORY_DIR}/notes.md"
+        st = {"todo": None, "results": [], "phase": "start"}
+
+        def sed(recipe: dict) -> str:
+            edits = " ".join(f"-e 's/^{k} = [^ ]*/{k} = {v}/'" for k, v in recipe.items())
+            return f"shell: sed -i {edits} train.py && python train.py"
+
+        def policy(obs: str) -> str:
+            if st["phase"] == "start":
+                st["phase"] = "read"
+                return f"shell: cat {notes}"
+            if st["phase"] == "read":   # the answer to `cat`: a remembered recipe goes first
+                m = re.search(r"^- best recipe: (.+)$", obs, re.M)
+                known = dict(re.findall(r"(\w+)=(\S+)", m.group(1))) if m else None
+                st["todo"] = [known] if known else [dict(r) for r in REFERENCE_RECIPES]
+                if known and known.get("POLY_DEGREE") != "2":   # a linear recipe may miss a curved boundary
+                    st["todo"].append({**known, "POLY_DEGREE": "2"})
+                st["phase"] = "try"
+                st["current"] = st["todo"].pop(0)
+                return sed(st["current"])
+            if st["phase"] == "try":
+                m = re.search(r"val accuracy ([\d.]+)", obs)
+                st["results"].append((float(m.group(1)) if m else -1.0, st["current"]))
+                if st["todo"]:
+                    st["current"] = st["todo"].pop(0)
+                    return sed(st["current"])
+                best_acc, best = max(st["results"], key=lambda r: r[0])
+                st["phase"] = "save"
+                if best is not st["current"]:  # the last run was not the best: rerun the best one
+                    st["current"] = best
+                    return sed(best)
+            if st["phase"] == "save":
+                best_acc, best = max(st["results"], key=lambda r: r[0])
+                st["phase"] = "eval"
+                recipe = " ".join(f"{k}={v}" for k, v in best.items())
+                return (f"shell: printf '%s\\n' '# autoresearch notes' '- best recipe: {recipe}' "
+                        f"'- last val accuracy: {best_acc:.4f}' > {notes}")
+            return "evaluate"
+        return policy

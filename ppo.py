@@ -1,0 +1,694 @@
+"""The PPO learner: token-level clipped loss (decoupled for asynchronous rollouts), a value head or a
+critic-free group baseline, KL to a frozen reference, entropy bonus, SFT loss, FSDP2 sharding, weight
+sync to a generation copy, and torch.distributed.checkpoint checkpoints.
+
+    from ppo import Learner, make_batch, stats_line
+    learner = Learner(model, ref_model=copy.deepcopy(model), lr=1e-6)   # single process (CPU or one GPU)
+    # critic-free (RIME): one advantage per row, from rewards.group_advantages
+    batch = make_batch(tokens, loss_masks, logprobs, row_advantages, versions=versions)
+    stats = learner.update(batch)      # one optimizer step; learner.gen_model now holds the new weights
+    print(stats_line(stats))
+    # value head + GAE (CAMG): Learner(..., value_head=True), then per token
+    values = learner.values_of(batch); adv, ret = rewards.gae(token_rewards, values, batch.loss_mask)
+    batch.advantages, batch.returns, batch.old_values = adv, ret, values; learner.update(batch)
+    # torchrun --nproc_per_node 8 rime.py : init_distributed() once, then each rank passes its own rows
+
+The objective (DESIGN.md "Asynchronous PPO", AReaL's decoupled PPO). Three policies meet in one loss:
+behaviour (the generator's weights when the row was sampled: `behav_logprobs`, version `versions`),
+proximal (the learner's weights at the start of this update: `prox`) and current (the weights being
+trained). Per policy token t, with A the advantage:
+    r = pi_cur / pi_prox,  w = pi_prox / pi_behav (no gradient),
+    loss_t = w * max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high))
+and the loss is the token mean over the loss mask of the whole (global) batch. w corrects for rows
+sampled by older weights; the trust region is measured against prox, so stale rows are not all clipped.
+prox == behav (w = 1) is ordinary PPO. Staleness is bounded by eta (`max_lag`): rows whose version lag
+exceeds it are *dropped* (mask 0, out of the token count), not down-weighted: w already corrects an
+admissible row without bias, while any down-weighting function would be an arbitrary bias, and past
+eta the ratios w have too much variance to be worth a gradient. eta = 0 is synchronous PPO.
+
+Token alignment: every [B, T] tensor is aligned with `tokens`: logprobs[:, t] is log p(tokens[t] |
+tokens[<t]) (computed from the logits at t-1), values[:, t] = V(hidden[t-1]) is the value of the state in
+which token t was chosen (so rewards.gae sees values at policy tokens), position 0 is never trained.
+
+Distributed: with world_size > 1 (torchrun) each decoder layer, then the root (policy + value head) is
+`fully_shard`ed (FSDP2); bf16 compute with fp32 master weights and fp32 gradient reduction on CUDA, fp32
+on CPU (gloo). FSDP averages gradients over ranks, so each rank's loss is its own token *sum* divided by
+the global token count and multiplied by world_size: the average of those gradients is exactly the
+gradient of the global token mean, however unevenly tokens fall across ranks and micro-batches.
+
+RIME's defaults (critic-free mode): clip 0.2 / 0.28, k1 KL 0.01 to the frozen reference, no entropy
+bonus, AdamW lr 1e-6, wd 0.1, one optimizer step per rollout batch (`update(batch)`). Groups of 8 and
+dropping groups whose rewards are all equal happen on the caller's side, where groups are known:
+`rewards.group_advantages` returns keep=False for such groups; leave those rows out of the Batch.
+
+KL estimators, per policy token with d = logp_cur - logp_ref: k1 = d (RIME's), k3 = exp(-d) + d - 1
+(Schulman's low-variance estimator, always >= 0). Both estimate KL(pi || ref) on pi's samples, and both
+are used here as a loss term (as verl does), not subtracted from the reward. As a loss, k1's gradient
+(grad logp) has zero mean on fresh samples: it only pulls back once samples are off-policy; k3's does not.
+For the classic reward-side penalty instead, subtract coef * (behav_logprobs - learner.ref_logprobs_of(batch))
+from the per-token rewards before GAE and construct the Learner with kl_coef=0.
+
+Simplified on purpose: no sequence packing (micro-batches are right-padded, rows sorted by length), no
+tensor/pipeline parallelism, no CPU offload, the reference model is not checkpointed (it is frozen:
+rebuild it from the same weights), one process group for everything.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import os
+import pickle
+import random
+import time
+import warnings
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, fields, replace
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+# -----------------------------------------------------------------------------------------------
+# distributed setup: rank, world size and device are worked out once; plain `python` = one process
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device: str | None = None) -> Dist:
+    """torchrun sets RANK / LOCAL_RANK / WORLD_SIZE: join the process group (nccl on CUDA, gloo on CPU).
+    Without them this is a single process and no process group is made."""
+    kind = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if "RANK" not in os.environ:
+        return Dist(device=torch.device(kind))
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    if kind == "cuda":
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl", device_id=dev)
+    else:
+        dev = torch.device("cpu")
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+    return Dist(rank, local_rank, world_size, dev)
+
+
+def teardown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def print0(*args, **kwargs) -> None:
+    """print on rank 0 only (every process when there is no process group)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, **kwargs)
+
+
+def _all_reduce(x: torch.Tensor, op=None) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(x, op=op or dist.ReduceOp.SUM)
+    return x
+
+
+# -----------------------------------------------------------------------------------------------
+# the batch: padded rows, every per-token tensor aligned with `tokens`
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor             # [B, T] long, right-padded
+    loss_mask: torch.Tensor          # [B, T] float, 1 where the policy generated the token (PPO trains it)
+    behav_logprobs: torch.Tensor     # [B, T] logprob under the behaviour (generating) policy, 0 elsewhere
+    advantages: torch.Tensor         # [B, T] per token (a row's group advantage broadcast to its tokens)
+    lengths: torch.Tensor            # [B] real tokens per row
+    versions: torch.Tensor           # [B] long, policy version that generated the row
+    returns: torch.Tensor | None = None      # [B, T] value targets (GAE mode)
+    old_values: torch.Tensor | None = None   # [B, T] values at rollout time, for the clipped value loss
+    sft_mask: torch.Tensor | None = None     # [B, T] 1 on tokens trained with plain cross-entropy
+
+    def __post_init__(self):
+        assert self.tokens.dim() == 2, f"tokens must be [B, T], got {tuple(self.tokens.shape)}"
+        B, T = self.tokens.shape
+        for f in fields(self):
+            x = getattr(self, f.name)
+            if x is None or f.name == "tokens":
+                continue
+            want = (B,) if f.name in ("lengths", "versions") else (B, T)
+            assert tuple(x.shape) == want, f"Batch.{f.name} is {tuple(x.shape)}, expected {want}"
+        for name in ("loss_mask", "sft_mask"):
+            m = getattr(self, name)
+            # the first token has no context, so nothing predicts it
+            assert m is None or not m[:, 0].any(), f"Batch.{name}[:, 0] must be 0: token 0 cannot be trained"
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def select(self, idx) -> "Batch":
+        """Rows idx (list or LongTensor), in that order."""
+        idx = torch.as_tensor(idx, dtype=torch.long, device=self.tokens.device)
+        return replace(self, **{f.name: getattr(self, f.name)[idx] for f in fields(self)
+                                if getattr(self, f.name) is not None})
+
+    def shard(self, rank: int, world_size: int) -> "Batch":
+        """This rank's rows (rank, rank + world, ...): how a global batch is split under torchrun."""
+        assert len(self) >= world_size, f"{len(self)} rows cannot give every one of {world_size} ranks a row"
+        return self.select(list(range(rank, len(self), world_size)))
+
+    def to(self, device) -> "Batch":
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
+                                if getattr(self, f.name) is not None})
+
+
+def make_batch(tokens, loss_mask, behav_logprobs=None, advantages=None, *, returns=None, old_values=None,
+               versions=None, sft_mask=None, pad_id: int = 0) -> Batch:
+    """Pad ragged rows (lists, e.g. rollout.Episode fields) into a Batch.
+
+    tokens, loss_mask, behav_logprobs: one list per row, same lengths. advantages: one float per row
+    (critic-free: broadcast to the row's tokens) or one list per row. returns / old_values / sft_mask:
+    lists per row. versions: one int per row (default 0). Missing logprobs / advantages are zeros
+    (e.g. a pure SFT batch)."""
+    B = len(tokens)
+    assert B > 0, "make_batch needs at least one row"
+    lengths = [len(t) for t in tokens]
+    T = max(lengths)
+    assert min(lengths) >= 2, "every row needs at least 2 tokens (a context and a trained token)"
+
+    def pad(rows, name, value=0.0, dtype=torch.float32):
+        out = torch.full((B, T), value, dtype=dtype)
+        for b, row in enumerate(rows):
+            assert len(row) == lengths[b], f"{name}[{b}] has {len(row)} entries for {lengths[b]} tokens"
+            out[b, :len(row)] = torch.as_tensor(row, dtype=dtype)
+        return out
+
+    mask = pad(loss_mask, "loss_mask")
+    if torch.is_tensor(advantages):
+        advantages = advantages.tolist()
+    if advantages is None:
+        adv = torch.zeros(B, T)
+    elif all(isinstance(a, (int, float)) for a in advantages):
+        assert len(advantages) == B, f"{len(advantages)} advantages for {B} rows"
+        adv = torch.tensor(advantages, dtype=torch.float32)[:, None] * mask   # [B, 1] -> [B, T]
+    else:
+        adv = pad(advantages, "advantages")
+    return Batch(
+        tokens=pad(tokens, "tokens", pad_id, torch.long), loss_mask=mask,
+        behav_logprobs=pad(behav_logprobs, "behav_logprobs") if behav_logprobs is not None else torch.zeros(B, T),
+        advantages=adv, lengths=torch.tensor(lengths),
+        versions=torch.tensor(versions if versions is not None else [0] * B, dtype=torch.long),
+        returns=pad(returns, "returns") if returns is not None else None,
+        old_values=pad(old_values, "old_values") if old_values is not None else None,
+        sft_mask=pad(sft_mask, "sft_mask") if sft_mask is not None else None)
+
+
+def fresh_rows(versions: torch.Tensor, version: int, max_lag: int) -> torch.Tensor:
+    """Staleness bound eta: True for rows generated at most max_lag versions ago ([B] bool)."""
+    lag = version - versions
+    assert (lag >= 0).all(), f"a row claims version {int(versions.max())} > the learner's {version}"
+    return lag <= max_lag
+
+
+def micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Split rows into micro-batches of at most token_budget padded tokens (rows x longest row).
+    Rows go longest first so each micro-batch pads little; a row longer than the budget goes alone."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    out, cur = [], []
+    for i in order:
+        if cur and (len(cur) + 1) * lengths[cur[0]] > token_budget:
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    return out + [cur] if cur else out
+
+
+# -----------------------------------------------------------------------------------------------
+# per-token quantities and losses: pure functions of [B, T] tensors
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """logits [B, T, V] of a forward over tokens [B, T] -> [B, T]: out[:, t] = log p(tokens[t] | tokens[<t])
+    under softmax(logits / temperature) (generate's convention); out[:, 0] = 0."""
+    B, T, V = logits.shape
+    lg = logits[:, :-1].float()
+    if temperature != 1.0:
+        lg = lg / temperature
+    # cross_entropy = fused log_softmax + gather: no second [B, T, V] tensor kept for backward
+    lp = -F.cross_entropy(lg.reshape(-1, V), tokens[:, 1:].reshape(-1), reduction="none").view(B, T - 1)
+    return F.pad(lp, (1, 0))
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the next-token distribution that chose token t: [B, T, V] -> [B, T] (0 at t = 0)."""
+    lg = logits[:, :-1].float()
+    ent = torch.logsumexp(lg, -1) - (torch.softmax(lg, -1) * lg).sum(-1)
+    return F.pad(ent, (1, 0))
+
+
+def _mask(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    # where, not multiply: garbage (inf / nan) at masked positions must not leak into loss or gradient
+    return torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def policy_loss(logprobs, prox_logprobs, behav_logprobs, advantages, mask, clip_low=0.2, clip_high=0.28,
+                num_tokens=None):
+    """Token-level decoupled PPO, all tensors [B, T] (see the module docstring):
+    sum(mask * w * max(-A*r, -A*clip(r, 1-clip_low, 1+clip_high))) / num_tokens (default sum(mask)),
+    r = exp(logprobs - prox_logprobs), w = exp(prox_logprobs - behav_logprobs) without gradient.
+    -> (loss, stats); stats are 0-dim tensors over the same denominator: clipfrac (share of tokens
+    whose clipped term is active, i.e. no gradient), approx_kl (k3 estimate of KL(prox || cur)),
+    behav_kl (k3 of KL(behav || prox): how off-policy the rows are), is_weight (mean w)."""
+    shapes = [tuple(x.shape) for x in (logprobs, prox_logprobs, behav_logprobs, advantages, mask)]
+    assert len(set(shapes)) == 1 and len(shapes[0]) == 2, f"policy_loss needs five [B, T] tensors, got {shapes}"
+    m = mask.bool()
+    n = m.sum().clamp(min=1) if num_tokens is None else num_tokens
+    # sanitise first: a nan at a masked position would otherwise turn 0 * nan into a nan gradient
+    prox = _mask(prox_logprobs.detach(), m)
+    behav = _mask(behav_logprobs.detach(), m)
+    adv = _mask(advantages.detach().float(), m)
+    log_r = _mask(logprobs - prox, m)
+    ratio = torch.exp(log_r)
+    w = torch.exp(prox - behav)                                                     # no grad: detached inputs
+    pg1 = -adv * ratio
+    pg2 = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    per_token = w * torch.maximum(pg1, pg2)
+    loss = _mask(per_token, m).sum() / n
+    with torch.no_grad():
+        log_w = prox - behav
+        stats = {
+            "pg_loss": loss.detach(),
+            "clipfrac": _mask((pg2 > pg1).float(), m).sum() / n,
+            "approx_kl": _mask(ratio - 1 - log_r, m).sum() / n,
+            "behav_kl": _mask(torch.exp(log_w) - 1 - log_w, m).sum() / n,
+            "is_weight": _mask(w, m).sum() / n,
+        }
+    return loss, stats
+
+
+def value_loss(values, returns, mask, old_values=None, clip=0.2, num_tokens=None):
+    """0.5 * token mean of (V - R)^2, PPO-clipped around old_values when given:
+    max((V - R)^2, (old + clip(V - old, -clip, clip) - R)^2), so one update cannot move a value far."""
+    m = mask.bool()
+    n = m.sum().clamp(min=1) if num_tokens is None else num_tokens
+    ret = _mask(returns.detach().float(), m)
+    v = _mask(values.float(), m)
+    err = (v - ret) ** 2
+    if old_values is not None and clip is not None:
+        old = _mask(old_values.detach().float(), m)
+        err = torch.maximum(err, (old + torch.clamp(v - old, -clip, clip) - ret) ** 2)
+    return 0.5 * _mask(err, m).sum() / n
+
+
+def kl_to_ref(logprobs, ref_logprobs, estimator="k1"):
+    """Per-token estimate of KL(pi || ref) on pi's samples, [B, T]: k1 = d, k3 = exp(-d) + d - 1, d = lp - ref."""
+    d = logprobs - ref_logprobs.detach()
+    if estimator == "k1":
+        return d
+    if estimator == "k3":
+        return torch.exp(-d) + d - 1
+    raise ValueError(f"kl estimator must be 'k1' or 'k3', got {estimator!r}")
+
+
+def sft_loss(logprobs, mask, num_tokens=None):
+    """Cross-entropy on the mask-1 tokens (warm start: imitation rows trained beside PPO rows)."""
+    m = mask.bool()
+    n = m.sum().clamp(min=1) if num_tokens is None else num_tokens
+    return -_mask(logprobs, m).sum() / n
+
+
+# -----------------------------------------------------------------------------------------------
+# the learner
+
+
+class ActorCritic(nn.Module):
+    """The policy plus an optional value head V = Linear(D, 1) on its final hidden states. One module so
+    FSDP shards the head with the root (embeddings, final norm, lm_head)."""
+
+    def __init__(self, model: nn.Module, value_head: bool):
+        super().__init__()
+        self.model = model
+        D = model.config.hidden_size
+        self.value_head = nn.Linear(D, 1) if value_head else None
+        if self.value_head is not None:
+            nn.init.zeros_(self.value_head.weight)    # start at V = 0: no random baseline noise in step 1
+            nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, tokens):
+        """tokens [B, T] -> logits [B, T, V] fp32, values [B, T] fp32 aligned with tokens (or None)."""
+        logits, hidden = self.model(tokens, return_hidden=True)
+        if self.value_head is None:
+            return logits, None
+        v = self.value_head(hidden).squeeze(-1).float()        # [B, T]: value of the state after token t
+        return logits, F.pad(v[:, :-1], (1, 0))                # shift: values[:, t] = V(state choosing t)
+
+
+def _shard(module: nn.Module, layers, mp) -> None:
+    """FSDP2: each decoder layer is its own unit (all-gathered just before use, freed after), then the
+    root takes what is left. fully_shard refuses containers without forward, hence layer by layer."""
+    from torch.distributed.fsdp import fully_shard
+    for layer in layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(module, mp_policy=mp)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor (FSDP parameter or clip_grad_norm_'s result) -> a plain tensor (all-gather); else t."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+class Learner:
+    """Holds the trained policy (+ value head), the frozen reference, AdamW and the version counter.
+
+    update(batch) takes one optimizer step per minibatch over this rank's rows and returns the health
+    metrics (already reduced over ranks). Under torchrun every rank must call every collective method
+    (update, logprobs_of, values_of, sync_weights, save, load) together.
+    """
+
+    def __init__(self, model: nn.Module, *, ref_model: nn.Module | None = None, value_head: bool = False,
+                 lr: float = 1e-6, weight_decay: float = 0.1, betas=(0.9, 0.999), max_grad_norm: float = 1.0,
+                 clip_low: float = 0.2, clip_high: float = 0.28, kl_coef: float = 0.01, kl_estimator: str = "k1",
+                 entropy_coef: float = 0.0, vf_coef: float = 0.5, value_clip: float | None = 0.2,
+                 sft_coef: float = 1.0, max_lag: int = 0, micro_batch_tokens: int = 8192,
+                 gradient_checkpointing: bool = True, generation_copy: bool = True, dist_info: Dist | None = None):
+        assert kl_estimator in ("k1", "k3"), f"kl_estimator must be 'k1' or 'k3', got {kl_estimator!r}"
+        assert max_lag >= 0 and micro_batch_tokens > 0, "max_lag >= 0 and micro_batch_tokens > 0 required"
+        assert hasattr(model, "layers") and hasattr(model, "config"), "model must have .layers and .config"
+        self.d = dist_info or Dist(device=next(model.parameters()).device)
+        assert self.d.world_size == 1 or dist.is_initialized(), "world_size > 1 needs init_distributed() first"
+        self.clip_low, self.clip_high, self.max_grad_norm = clip_low, clip_high, max_grad_norm
+        self.kl_coef, self.kl_estimator, self.entropy_coef = kl_coef, kl_estimator, entropy_coef
+        self.vf_coef, self.value_clip, self.sft_coef = vf_coef, value_clip, sft_coef
+        self.max_lag, self.micro_batch_tokens = max_lag, micro_batch_tokens
+        self.version = 0                    # +1 per update(); rows carry the version that generated them
+        dev, cuda = self.d.device, self.d.device.type == "cuda"
+
+        # the generation copy: a full, unsharded model per rank (rollouts run on every rank), taken before
+        # sharding; bf16 on GPU. Single process without a copy: generate with learner.policy.model.
+        self.gen_model = None
+        if generation_copy:
+            self.gen_model = copy.deepcopy(model).to(dev).eval()
+            if cuda:
+                self.gen_model.to(torch.bfloat16)
+            self.gen_model.requires_grad_(False)
+        elif self.d.world_size > 1:
+            raise ValueError("with world_size > 1 the learner's model is sharded: use generation_copy=True")
+
+        model.gradient_checkpointing = gradient_checkpointing
+        self.policy = ActorCritic(model, value_head).to(dev)
+        self.ref_model = ref_model
+        if ref_model is not None:
+            ref_model.to(dev).eval().requires_grad_(False)
+        # bf16: one process on a GPU uses autocast; FSDP uses its mixed-precision policy instead
+        # (bf16 compute, fp32 master weights, fp32 gradient reduce-scatter)
+        self.autocast = nullcontext
+        if self.d.world_size > 1:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda \
+                else MixedPrecisionPolicy()
+            _shard(self.policy, self.policy.model.layers, mp)
+            if ref_model is not None:
+                _shard(ref_model, ref_model.layers, mp)
+        elif cuda:
+            self.autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)
+
+        # no weight decay on norms and biases (1-d), as in nanoGPT
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8)
+
+    # --- forward passes -------------------------------------------------------------------------
+
+    def _micro(self, lengths: torch.Tensor) -> list[list[int]]:
+        """This rank's micro-batches, padded with empty ones to the count of the rank with the most:
+        FSDP's all-gathers run once per forward, so every rank must run the same number of forwards."""
+        mbs = micro_batches(lengths.tolist(), self.micro_batch_tokens)
+        n = _all_reduce(torch.tensor([len(mbs)], device=self.d.device), dist.ReduceOp.MAX)
+        return mbs + [[] for _ in range(int(n) - len(mbs))]
+
+    @torch.no_grad()
+    def _score(self, module, batch: Batch, temperature=1.0, values=False):
+        """One no-grad pass over this rank's rows -> logprobs [B, T] (and values [B, T])."""
+        B, T = batch.tokens.shape
+        lp = torch.zeros(B, T, device=self.d.device)
+        vals = torch.zeros(B, T, device=self.d.device) if values else None
+        for idx in self._micro(batch.lengths):
+            idx = idx or [0]                  # an empty micro-batch still runs a forward (see _micro)
+            t_max = int(batch.lengths[idx].max())
+            tok = batch.tokens[idx, :t_max].to(self.d.device)
+            with self.autocast():
+                out = module(tok)
+            logits, v = out if isinstance(out, tuple) else (out, None)
+            keep = torch.arange(t_max, device=tok.device)[None] < batch.lengths[idx, None].to(tok.device)
+            lp[idx, :t_max] = token_logprobs(logits, tok, temperature) * keep       # 0 past each row's end
+            if values:
+                vals[idx, :t_max] = v
+        return (lp, vals) if values else lp
+
+    def logprobs_of(self, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
+        """Recompute the policy's logprobs of batch.tokens ([B, T], aligned with tokens)."""
+        self.policy.eval()
+        return self._score(self.policy, batch, temperature)
+
+    def ref_logprobs_of(self, batch: Batch) -> torch.Tensor:
+        """The frozen reference's logprobs [B, T] (for a KL penalty in the reward instead of the loss)."""
+        assert self.ref_model is not None, "ref_logprobs_of needs Learner(ref_model=...)"
+        return self._score(self.ref_model, batch)
+
+    def values_of(self, batch: Batch) -> torch.Tensor:
+        """Value-head estimates [B, T] (aligned with tokens) for GAE: rewards.gae(r, values, mask)."""
+        assert self.policy.value_head is not None, "values_of needs Learner(value_head=True)"
+        self.policy.eval()
+        return self._score(self.policy, batch, values=True)[1]
+
+    # --- the update -----------------------------------------------------------------------------
+
+    def update(self, batch: Batch, num_minibatches: int = 1) -> dict:
+        """PPO on this rank's rows: num_minibatches optimizer steps (RIME: 1), each a global token mean.
+        Then version += 1 and the generation copy gets the new weights. Returns health metrics (the
+        loss terms, clipfrac, approx_kl, grad_norm... of the last step; counts and tokens/s of the batch)."""
+        t0 = time.perf_counter()
+        batch = batch.to(self.d.device)
+        assert len(batch) >= num_minibatches >= 1, f"{len(batch)} rows cannot make {num_minibatches} minibatches"
+        fresh = fresh_rows(batch.versions, self.version, self.max_lag)                  # [B]
+        batch = replace(batch, loss_mask=batch.loss_mask * fresh[:, None])              # stale rows: dropped
+        # prox = the weights at the start of the update. With one minibatch the weights in the step *are*
+        # prox, so the step's own logprobs (detached) serve and save a forward; later minibatches need
+        # logprobs recomputed up front, before the first step moves the weights.
+        prox = self.logprobs_of(batch) if num_minibatches > 1 else None
+        self.policy.train()
+        # several minibatches: shuffled rows (torch's RNG, checkpointed); one: all rows in order
+        rows = torch.randperm(len(batch)).tolist() if num_minibatches > 1 else list(range(len(batch)))
+        stats = {}
+        for k in range(num_minibatches):
+            mb_rows = rows[k::num_minibatches]
+            stats = self._step(batch.select(mb_rows), prox[mb_rows] if prox is not None else None)
+        self.version += 1
+        if self.gen_model is not None:
+            self.sync_weights()
+        # metrics that describe the whole batch, reduced over ranks: [rows, dropped rows, tokens, policy tokens]
+        c = _all_reduce(torch.tensor([len(batch), int((~fresh).sum()), float(batch.lengths.sum()),
+                                      float(batch.loss_mask.sum())], device=self.d.device, dtype=torch.float64))
+        dt = time.perf_counter() - t0
+        stats.update(version=self.version, num_rows=int(c[0]), num_stale=int(c[1]), tokens=int(c[2]),
+                     response_len=float(c[3] / max(c[0] - c[1], 1)), tokens_per_s=float(c[2]) / dt,
+                     update_s=dt, lr=self.optimizer.param_groups[0]["lr"])
+        return stats
+
+    def _step(self, batch: Batch, prox: torch.Tensor | None) -> dict:
+        """One optimizer step: accumulate gradients over micro-batches, clip, check, step."""
+        world = self.d.world_size
+        use_values = self.policy.value_head is not None and batch.returns is not None and self.vf_coef > 0
+        use_ref = self.ref_model is not None and self.kl_coef > 0
+        sft_mask = batch.sft_mask if batch.sft_mask is not None else torch.zeros_like(batch.loss_mask)
+        # global denominators: the token mean is over the policy tokens of *all* ranks (see module docstring)
+        n = _all_reduce(torch.stack([batch.loss_mask.sum(), sft_mask.sum()]).float())
+        n_pol, n_sft = n[0].clamp(min=1), n[1].clamp(min=1)
+        use_sft = bool(n[1] > 0) and self.sft_coef > 0   # global, so every rank runs the same branches
+        sums = {}                           # metric -> 0-dim tensor, a share of the global mean
+
+        def add(name, value):
+            sums[name] = sums.get(name, 0.0) + value.detach().float()
+
+        for idx in self._micro(batch.lengths):
+            dummy = not idx                 # this rank ran out of rows: a zero-weight forward/backward
+            idx = idx or [0]
+            t_max = int(batch.lengths[idx].max())
+            mb = batch.select(idx)
+            tok = mb.tokens[:, :t_max]
+            mask = (mb.loss_mask[:, :t_max] * (0.0 if dummy else 1.0)).bool()        # [b, t]
+            smask = (sft_mask[idx, :t_max] * (0.0 if dummy else 1.0)).bool()
+            with self.autocast():
+                logits, values = self.policy(tok)                                   # [b, t, V], [b, t]
+            logp = token_logprobs(logits, tok)                                      # [b, t]
+            mb_prox = prox[idx, :t_max] if prox is not None else logp.detach()
+            pg, st = policy_loss(logp, mb_prox, mb.behav_logprobs[:, :t_max], mb.advantages[:, :t_max], mask,
+                                 self.clip_low, self.clip_high, num_tokens=n_pol)
+            loss = pg
+            for name, value in st.items():
+                add(name, value)
+            if self.entropy_coef > 0:
+                ent = _mask(token_entropy(logits), mask).sum() / n_pol
+                loss = loss - self.entropy_coef * ent
+            else:                           # only logged: no graph through the [b, t, V] softmax
+                with torch.no_grad():
+                    ent = _mask(token_entropy(logits), mask).sum() / n_pol
+            add("entropy", ent)
+            if use_ref:
+                with torch.no_grad(), self.autocast():
+                    ref_logp = token_logprobs(self.ref_model(tok), tok)
+                kl = _mask(kl_to_ref(logp, ref_logp, self.kl_estimator), mask).sum() / n_pol
+                loss = loss + self.kl_coef * kl
+                add("kl_ref", kl)
+            if use_values:
+                ret = mb.returns[:, :t_max]
+                old = mb.old_values[:, :t_max] if mb.old_values is not None else None
+                vl = value_loss(values, ret, mask, old, self.value_clip, num_tokens=n_pol)
+                loss = loss + self.vf_coef * vl
+                add("value_loss", vl)
+                v, r = _mask(values.detach(), mask), _mask(ret.float(), mask)       # for explained variance
+                for name, x in (("_r", r), ("_r2", r * r), ("_e", r - v), ("_e2", (r - v) ** 2)):
+                    add(name, x.sum())
+            if use_sft:
+                sl = sft_loss(logp, smask, num_tokens=n_sft)
+                loss = loss + self.sft_coef * sl
+                add("sft_loss", sl)
+            add("loss", loss)
+            # x world: FSDP averages gradients over ranks; we want the sum of per-rank token sums / n
+            (loss * world).backward()
+
+        names = sorted(sums)                # same keys on every rank: all of them ran the same branches
+        total = _all_reduce(torch.stack([sums[k] for k in names]))
+        stats = {k: float(v) for k, v in zip(names, total)}
+        if "_r" in stats:                   # explained variance 1 - Var(R - V) / Var(R) over policy tokens
+            cnt = float(n_pol)
+            var_r = stats.pop("_r2") / cnt - (stats.pop("_r") / cnt) ** 2
+            var_e = stats.pop("_e2") / cnt - (stats.pop("_e") / cnt) ** 2
+            stats["explained_var"] = 1.0 - var_e / var_r if var_r > 1e-12 else float("nan")
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        grad_norm = float(_full(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)))
+        stats["grad_norm"] = grad_norm
+        # the norm, loss and counts are global (reduced), so every rank takes the same decision
+        finite = math.isfinite(stats["loss"]) and math.isfinite(grad_norm)
+        stats["skipped"] = float(not finite or float(n.sum()) == 0)
+        if not finite:
+            print0(f"WARNING: non-finite loss ({stats['loss']}) or grad norm ({grad_norm}) at version "
+                   f"{self.version}: optimizer step skipped")
+        elif stats["skipped"]:               # AdamW would still move the weights (momentum, weight decay)
+            print0(f"WARNING: no trainable tokens at version {self.version} (all rows stale or masked): "
+                   f"optimizer step skipped")
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return stats
+
+    # --- weight sync ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def sync_weights(self, gen_model: nn.Module | None = None) -> int:
+        """Copy the learner's weights into the generation copy, one parameter at a time: under FSDP each
+        full_tensor() all-gathers a single parameter, so no rank ever holds more than one extra full
+        parameter beyond its shard and its own generation copy. Returns the version the copy now holds."""
+        gen_model = gen_model if gen_model is not None else self.gen_model
+        target = dict(gen_model.named_parameters())
+        source = dict(self.policy.model.named_parameters())
+        assert target.keys() == source.keys(), "generation copy and learner model have different parameters"
+        for name, p in source.items():
+            target[name].copy_(_full(p.detach()))
+        gen_model.version = self.version
+        return self.version
+
+    # --- checkpoints ----------------------------------------------------------------------------
+
+    def _dcp_state(self, caller_state=None) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        model_sd, optim_sd = get_state_dict(self.policy, self.optimizer)
+        # RNG differs per rank: a key per rank (DCP writes each distinct key once, from its owner)
+        return {"model": model_sd, "optim": optim_sd,
+                "learner": {"version": self.version, "caller": pickle.dumps(caller_state)},
+                "rng": {f"rank{self.d.rank}": pickle.dumps(_rng_state())}}
+
+    def save(self, path: str, caller_state=None) -> None:
+        """torch.distributed.checkpoint of model + value head, optimizer, version, this rank's RNG and
+        caller_state (any picklable: stream position, step, ...). Every rank writes its own shards."""
+        import torch.distributed.checkpoint as dcp
+        with _single_process_quiet():
+            dcp.save(self._dcp_state(caller_state), checkpoint_id=path, no_dist=not dist.is_initialized())
+
+    def load(self, path: str):
+        """Restore what save() wrote (the same world size, for the RNG); returns caller_state. The
+        generation copy is re-synced, so generation resumes exactly where the saved run stood."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+        state = self._dcp_state()
+        with _single_process_quiet():   # tensors load in place, pickled bytes are replaced
+            dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+        set_state_dict(self.policy, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        self.version = int(state["learner"]["version"])
+        _set_rng_state(pickle.loads(state["rng"][f"rank{self.d.rank}"]))
+        if self.gen_model is not None:
+            self.sync_weights()
+        return pickle.loads(state["learner"]["caller"])
+
+
+@contextmanager
+def _single_process_quiet():
+    """DCP warns on every call without a process group; in one process that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+HEALTH = ("loss", "pg_loss", "approx_kl", "clipfrac", "behav_kl", "entropy", "kl_ref", "value_loss",
+          "explained_var", "sft_loss", "grad_norm", "response_len", "num_stale", "tokens_per_s")
+
+
+def stats_line(stats: dict) -> str:
+    """The fixed health metrics of one update on one readable line (those present)."""
+    return f"v{stats.get('version', '?')} " + " ".join(f"{k} {stats[k]:.4g}" for k in HEALTH if k in stats)
+
+
+def _rng_state() -> dict:
+    import numpy as np
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def _set_rng_state(s: dict) -> None:
+    import numpy as np
+    torch.set_rng_state(s["torch"])
+    random.setstate(s["python"])
+    np.random.set_state(s["numpy"])
+    if s["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+
+
+def logprobs_of(model: nn.Module, tokens: torch.Tensor, lengths: torch.Tensor | None = None,
+                temperature: float = 1.0, micro_batch_tokens: int = 8192) -> torch.Tensor:
+    """Single-process recompute of log p(tokens[t] | tokens[<t]) under softmax(logits / temperature),
+    [B, T] aligned with tokens (0 at t = 0 and past each row's length); checks generate's logprobs."""
+    B, T = tokens.shape
+    lengths = lengths if lengths is not None else torch.full((B,), T)
+    out = torch.zeros(B, T)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for idx in micro_batches(lengths.tolist(), micro_batch_tokens):
+            t_max = int(lengths[idx].max())
+            tok = tokens[idx, :t_max].to(next(model.parameters()).device)
+            lp = token_logprobs(model(tok), tok, temperature).cpu()
+            keep = torch.arange(t_max)[None] < lengths[idx, None]
+            out[idx, :t_max] = lp * keep
+    model.train(was_training)
+    return out

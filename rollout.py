@@ -1,0 +1,439 @@
+"""The agent loop: chat formatting, action parsing, turns in an environment, context resets,
+and the actor / writer roles of RIME, all turned into token-exact training rows.
+
+Protocol (documented once, used by every environment): the agent answers each observation with free
+reasoning followed by exactly one action in a tag,
+
+    I should test the red potion first.
+    <action>apply p1 s2</action>
+
+and the text inside the last `<action>...</action>` goes to `env.step()`. A reply without a complete
+tag gets a format-error observation and still uses a turn.
+
+Token-in/token-out. The row a learner trains on is built from token ids, never from re-tokenised
+text: the generated ids (with their behaviour logprobs, loss mask 1) are appended as they came out
+of `generate`, and only the environment's text (observations, chat-template glue) is tokenised,
+with loss mask 0. So recomputing logprobs over `Episode.tokens` with one forward reproduces the
+logprobs the sampler saw (up to float error), which the PPO ratio needs.
+
+Context budget (CAMG, Section 3): when the next turn would not fit in `context_budget` tokens, the
+policy is first asked to save its progress to `.agent_memory/CONTINUATION.md` (a sampled, trained
+action like any other), then a *mechanical* reset starts a fresh context holding the task and the
+memory file *paths* only; the policy must `cat` them back. The reset itself samples nothing and adds
+no training row; the closed context is kept in `Episode.segments` and trained on with the same
+return.
+
+RIME roles (Section 3.1): the **actor** sees the memory in its first user turn; the **writer**
+(`write_memory`) reads the finished episode (actions and outcomes, truncated to a budget), its
+grading feedback and the previous memory, and returns the new memory, which replaces the old one.
+
+Simplifications: each turn re-prefills the whole conversation (no prefix cache across turns); the
+writer sees observations truncated to a fixed character budget rather than a learned summary.
+"""
+
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from generate import generate
+
+ACTION_RE = re.compile(r"<action>(.*?)</action>", re.DOTALL)
+MEMORY_HEADER = "[Memory of what you've learned so far]"
+CONTINUATION_PATH = ".agent_memory/CONTINUATION.md"
+
+ACTOR_SYSTEM = (
+    "You are an agent solving a task step by step. After each observation, think briefly, then "
+    "reply with exactly one action inside <action>...</action>."
+)
+WRITER_SYSTEM = (
+    "You keep a running, structured memory for an agent that solves a stream of related tasks. "
+    "After each task you rewrite the memory so the next task goes better. Reply with exactly two "
+    "sections, '### Repository Knowledge' and '### Lessons & Pitfalls', each with at least 2 bullet "
+    "points ('- '). Keep confirmed facts even when a task went badly; fix facts proven wrong; be "
+    "specific (names, values, commands)."
+)
+CONTINUATION_PROMPT = (
+    "Your context is full and will be reset. Save what you know and what to do next: write "
+    f"{CONTINUATION_PATH} now with one shell action, e.g. "
+    f"<action>shell: printf '...' > {CONTINUATION_PATH}</action>"
+)
+
+
+# -----------------------------------------------------------------------------
+# records
+
+@dataclass
+class Segment:
+    """One context window as trained on (a reset closes one and opens the next)."""
+    tokens: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+
+
+@dataclass
+class Episode:
+    task: object                      # envs.Task
+    tokens: list[int]                 # the current (last) context, exactly as trained on
+    loss_mask: list[int]              # 1 where the policy generated the token
+    logprobs: list[float]             # behaviour logprob where loss_mask is 1, else 0.0
+    score: float = 0.0                # sum of the environment's rewards
+    num_turns: int = 0
+    num_format_errors: int = 0
+    num_resets: int = 0
+    num_unsaved_resets: int = 0       # resets with no room left to ask for the continuation file
+    done: bool = False
+    finish: str = ""                  # "done" | "turns" | "error"
+    error: str = ""                   # why an episode failed (environment raised, ...)
+    memory: str = ""                  # the memory the actor was given
+    actions: list[str] = field(default_factory=list)
+    observations: list[str] = field(default_factory=list)  # observations[0] is the task
+    segments: list[Segment] = field(default_factory=list)  # contexts closed by resets
+    info: dict = field(default_factory=dict)                # env.info at the end
+    role: str = "actor"
+    reset_pending: bool = False       # the continuation file was requested; reset after this turn
+
+    def rows(self) -> list[Segment]:
+        """All training rows of this episode: the closed contexts, then the current one."""
+        return self.segments + [Segment(self.tokens, self.loss_mask, self.logprobs)]
+
+
+@dataclass
+class WriterSample:
+    tokens: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    memory: str            # the new memory (the old one where the reply was unusable)
+    raw: str               # the writer's reply as decoded text
+    status: str            # "ok" | "empty" | "truncated"
+
+
+# -----------------------------------------------------------------------------
+# chat formatting: token segments for the template's glue, computed once per tokenizer
+
+class ChatFormat:
+    """Turns messages into token ids with the tokenizer's chat template, such that appending
+    `user_turn(obs)` after generated assistant tokens gives exactly what the template would render
+    for the whole conversation (checked on construction)."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        a, b, obs = "\x01A\x01", "\x01B\x01", "\x01OBS\x01"
+        base = tokenizer.apply_chat_template(
+            [{"role": "user", "content": a}, {"role": "assistant", "content": b}], tokenize=False)
+        full = tokenizer.apply_chat_template(
+            [{"role": "user", "content": a}, {"role": "assistant", "content": b},
+             {"role": "user", "content": obs}], tokenize=False, add_generation_prompt=True)
+        assert full.startswith(base), "chat template is not prefix-stable; token-exact turns need it"
+        # end of an assistant message after its content, e.g. "<|im_end|>\n"
+        self.assistant_end = base[base.index(b) + len(b):]
+        before, after = full[len(base):].split(obs)
+        self.user_prefix, self.user_suffix = before, after      # "<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"
+        self.eos_ids = sorted({i for i in (tokenizer.eos_token_id,
+                                           tokenizer.convert_tokens_to_ids("<|im_end|>")) if isinstance(i, int) and i >= 0})
+        # the end-of-turn token the template writes (e.g. <|im_end|>) and the text after it ("\n")
+        ends = [i for i in self.eos_ids if tokenizer.decode([i]) and tokenizer.decode([i]) in self.assistant_end]
+        assert ends, f"no stop token of the tokenizer closes an assistant turn ({self.assistant_end!r})"
+        self.end_id = ends[0]
+        self.after_eos = self.assistant_end.split(tokenizer.decode([self.end_id]), 1)[1]
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def prompt(self, system: str, user: str) -> list[int]:
+        ids = self.tok.apply_chat_template(
+            [{"role": "system", "content": system}, {"role": "user", "content": user}],
+            tokenize=True, add_generation_prompt=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def user_turn(self, text: str, ended_with_eos: bool) -> list[int]:
+        """Tokens that close the assistant turn just generated and open the next one."""
+        close = self.after_eos if ended_with_eos else self.assistant_end
+        return self.encode(close + self.user_prefix + text + self.user_suffix)
+
+
+def parse_action(reply: str) -> str | None:
+    """The text of the last complete <action> tag, stripped; None if there is none."""
+    found = ACTION_RE.findall(reply)
+    return found[-1].strip() if found else None
+
+
+def first_user_turn(obs: str, memory: str) -> str:
+    return f"{MEMORY_HEADER}\n{memory.strip() or '(empty)'}\n\n{obs}"
+
+
+def budget_line(turns_left: int, max_turns: int) -> str:
+    return f"[{turns_left} of {max_turns} turns remaining]"
+
+
+# -----------------------------------------------------------------------------
+# the actor: many episodes stepped together
+
+def run_episodes(model, tokenizer, env, tasks, memory="", temperature=1.0, seed=0, *,
+                 max_turns=None, max_new_tokens=128, context_budget=None, top_p=1.0,
+                 system_prompt=ACTOR_SYSTEM, num_threads=8):
+    """Run one episode per task, all at once: every live episode generates its next reply in one
+    batched `generate` call, then all their environment steps run in a thread pool.
+
+    env: one environment (cloned for each task after the first; the first task uses env itself, so
+         a workspace env keeps its memory folder) or a list with one environment per task.
+    memory: the RIME memory text for every task, or a list with one memory per task.
+    context_budget: tokens per context; None = the model's max_seq_len. Near it the reset protocol
+         above runs (the environment needs a shell, i.e. `shell:` actions, to save the file).
+    Returns list[Episode] in the order of tasks.
+    """
+    fmt = ChatFormat(tokenizer)
+
+    def replies(prompts, step):
+        outs = generate(model, prompts, max_new_tokens, temperature=temperature, top_p=top_p,
+                        stop_token_ids=fmt.eos_ids, seed=None if seed is None else seed * 1000003 + step)
+        return [(o.tokens, o.logprobs, o.finish_reason == "stop") for o in outs]
+    return _loop(fmt, replies, env, tasks, memory, max_turns=max_turns, max_new_tokens=max_new_tokens,
+                 context_budget=context_budget or model.config.max_seq_len,
+                 system_prompt=system_prompt, num_threads=num_threads)
+
+
+def run_scripted(tokenizer, env, tasks, policies, memory="", *, max_turns=None,
+                 context_budget=1 << 30, system_prompt=ACTOR_SYSTEM, num_threads=8):
+    """The same loop with scripted agents (callables obs -> action, e.g. env.reference_policy) in
+    place of the model. Each reply is rendered as `<action>...</action>` plus the end-of-turn token,
+    with loss mask 1 and logprob 0.0: exactly the rows a warm start imitates, and the scripted
+    rows of the benchmark."""
+    fmt = ChatFormat(tokenizer)
+    policies = list(policies)
+    assert len(policies) == len(tasks), f"{len(policies)} policies for {len(tasks)} tasks"
+    last_obs = {}
+
+    def replies(prompts, step):
+        out = []
+        for i in sorted(last_obs):
+            ids = fmt.encode(f"<action>{policies[i](last_obs[i])}</action>") + [fmt.end_id]
+            out.append((ids, [0.0] * len(ids), True))
+        return out
+    return _loop(fmt, replies, env, tasks, memory, max_turns=max_turns, max_new_tokens=64,
+                 context_budget=context_budget, system_prompt=system_prompt,
+                 num_threads=num_threads, observe=last_obs)
+
+
+def _loop(fmt, replies, env, tasks, memory, *, max_turns, max_new_tokens, context_budget,
+          system_prompt, num_threads, observe=None):
+    """The agent loop shared by model and scripted agents. `replies(prompts, step)` returns one
+    (tokens, logprobs, ended_with_eos) per live episode; `observe`, if given, is kept as
+    {episode index: latest observation} for live episodes (what a scripted agent acts on)."""
+    assert len(tasks) > 0, "run_episodes needs at least one task"
+    envs_ = list(env) if isinstance(env, (list, tuple)) else [env] + [env.clone() for _ in tasks[1:]]
+    owned = [] if isinstance(env, (list, tuple)) else envs_[1:]
+    assert len(envs_) == len(tasks), f"{len(envs_)} environments for {len(tasks)} tasks"
+    memories = list(memory) if isinstance(memory, (list, tuple)) else [memory] * len(tasks)
+    max_turns = max_turns or envs_[0].max_steps
+    pool = ThreadPoolExecutor(max_workers=min(num_threads, len(tasks)))
+    tokenizer = fmt.tok
+
+    # --- reset every environment (in threads: workspace set-up can be slow)
+    eps = []
+    for i, res in enumerate(_gather(pool, lambda i: envs_[i].reset(tasks[i]), range(len(tasks)))):
+        ep = Episode(task=tasks[i], tokens=[], loss_mask=[], logprobs=[], memory=memories[i])
+        if isinstance(res, Exception):
+            ep.done, ep.finish, ep.error = True, "error", f"reset: {res!r}"
+        else:
+            ep.observations.append(res)
+            _append(ep, fmt.prompt(system_prompt, first_user_turn(res, memories[i])), 0)
+            if len(ep.tokens) + max_new_tokens > context_budget:
+                ep.done, ep.finish, ep.error = True, "error", "context budget smaller than the task prompt"
+        eps.append(ep)
+
+    step = 0
+    while True:
+        live = [i for i, ep in enumerate(eps) if not ep.done]
+        if not live:
+            break
+        # --- one batched generation for every live episode
+        if observe is not None:
+            observe.clear()
+            observe.update({i: eps[i].observations[-1] for i in live})
+        outs = replies(prompts=[eps[i].tokens for i in live], step=step)
+        step += 1
+        texts = {}
+        for i, (toks, lps, ended) in zip(live, outs):
+            ep = eps[i]
+            _append(ep, toks, 1, lps)
+            ep.num_turns += 1
+            texts[i] = (tokenizer.decode(toks, skip_special_tokens=True), ended)
+
+        # --- environment steps in parallel (a slow shell command does not stall the batch)
+        def act(i):
+            action = parse_action(texts[i][0])
+            return None if action is None else envs_[i].step(action)
+        for i, res in zip(live, _gather(pool, act, live)):
+            ep, (reply, ended) = eps[i], texts[i]
+            action = parse_action(reply)
+            ep.actions.append(action if action is not None else "")
+            if isinstance(res, Exception):                 # the environment raised: record, never crash
+                ep.done, ep.finish, ep.error = True, "error", f"step: {res!r}"
+                continue
+            if res is None:
+                ep.num_format_errors += 1
+                obs, reward, done = ("Invalid format. End your reply with exactly one action: "
+                                     "<action>...</action>"), 0.0, False
+            else:
+                obs, reward, done = res
+            ep.score += float(reward)
+            ep.observations.append(obs)
+            if done or ep.num_turns >= max_turns:
+                ep.done, ep.finish = True, "done" if done else "turns"
+                # close the assistant turn so the row ends on the template's boundary
+                _append(ep, fmt.encode(fmt.after_eos if ended else fmt.assistant_end), 0)
+                continue
+            text = f"{obs}\n{budget_line(max_turns - ep.num_turns, max_turns)}"
+            glue = fmt.user_turn(text, ended)
+            ask = fmt.user_turn(f"{text}\n{CONTINUATION_PROMPT}", ended)
+            # --- context budget (CAMG): if the turn after next would not fit, ask for the
+            # continuation file now, while there is still room for the reply that writes it;
+            # if not even that fits (or it was just asked for), reset mechanically right away
+            if ep.reset_pending or len(ep.tokens) + len(ask) + max_new_tokens > context_budget:
+                if not ep.reset_pending:
+                    ep.num_unsaved_resets += 1          # logged: progress lost without a save
+                _append(ep, fmt.encode(fmt.after_eos if ended else fmt.assistant_end), 0)
+                _mechanical_reset(fmt, ep, envs_[i], system_prompt, max_new_tokens, context_budget)
+                continue
+            if len(ep.tokens) + len(glue) + 2 * max_new_tokens + len(ask) - len(glue) > context_budget:
+                glue, ep.reset_pending = ask, True
+            _append(ep, glue, 0)
+    for i, ep in enumerate(eps):
+        ep.info = dict(getattr(envs_[i], "info", {}) or {})
+    pool.shutdown()
+    for e in owned:
+        e.close()
+    return eps
+
+
+def _append(ep, tokens, mask, logprobs=None):
+    ep.tokens += tokens
+    ep.loss_mask += [mask] * len(tokens)
+    ep.logprobs += logprobs if logprobs is not None else [0.0] * len(tokens)
+
+
+def _gather(pool, fn, items):
+    """Map fn over items in the pool; an exception becomes the result instead of propagating."""
+    futures = [pool.submit(fn, i) for i in items]
+    out = []
+    for f in futures:
+        try:
+            out.append(f.result())
+        except Exception as e:  # noqa: BLE001 - an environment error must not kill the batch
+            out.append(e)
+    return out
+
+
+def _mechanical_reset(fmt, ep, env, system_prompt, max_new_tokens, context_budget):
+    """Close the current context (kept as a training row) and open a fresh one holding the task
+    and the memory file *paths*, never their contents. Samples nothing."""
+    ep.segments.append(Segment(ep.tokens, ep.loss_mask, ep.logprobs))
+    ep.num_resets += 1
+    ep.reset_pending = False
+    files = getattr(env, "memory_files", None)
+    paths = sorted(files().keys()) if callable(files) else []
+    paths = [p if p.startswith(".agent_memory") else f".agent_memory/{p}" for p in paths] or [CONTINUATION_PATH]
+    note = ("Your context was reset. Your memory files (read them with shell: cat PATH): " + ", ".join(paths))
+    ep.tokens = fmt.prompt(system_prompt, first_user_turn(ep.observations[0], ep.memory) + "\n\n" + note)
+    ep.loss_mask = [0] * len(ep.tokens)
+    ep.logprobs = [0.0] * len(ep.tokens)
+    if len(ep.tokens) + max_new_tokens > context_budget:
+        ep.done, ep.finish, ep.error = True, "error", "context budget smaller than the task prompt"
+
+
+# -----------------------------------------------------------------------------
+# the writer: rewrite the memory after a task
+
+def trajectory_text(ep: Episode, budget_chars: int = 4000) -> str:
+    """The finished task as the writer sees it: every action with its (truncated) outcome.
+    Observations are cut first so that actions and results survive the budget."""
+    steps = list(zip(ep.actions, ep.observations[1:]))
+    per_obs = max(80, (budget_chars - sum(len(a) for a, _ in steps)) // max(1, len(steps)))
+    lines = [f"Task: {ep.observations[0][:1000]}" if ep.observations else "Task: (unavailable)"]
+    for n, (a, o) in enumerate(steps, 1):
+        o = o if len(o) <= per_obs else o[: per_obs // 2] + " ... " + o[-per_obs // 2:]
+        lines.append(f"Step {n}: <action>{a}</action>\n  -> {o}")
+    return "\n".join(lines)[: budget_chars + 1000]
+
+
+def writer_prompt(ep: Episode, old_memory: str, traj_chars: int = 4000) -> str:
+    feedback = f"Score: {ep.score:.2f} (1.0 is best)." + (f" Error: {ep.error}" if ep.error else "")
+    return (f"## Finished task\n{trajectory_text(ep, traj_chars)}\n\n## Grading feedback\n{feedback}\n\n"
+            f"## Previous memory\n{old_memory.strip() or '(empty)'}\n\nWrite the new memory now.")
+
+
+def write_memory(model, tokenizer, episodes, old_memories, temperature=1.0, seed=0, *,
+                 memory_tokens=2048, max_new_tokens=None, traj_chars=4000):
+    """The writer role, batched over episodes. Returns one WriterSample per episode.
+
+    Memory is replaced, not appended, and capped at `memory_tokens`. An empty reply keeps the old
+    memory (status "empty"); a reply that hits the cap is cut there (status "truncated"). Both are
+    logged by the caller and fail the writer's format gate downstream.
+    """
+    fmt = ChatFormat(tokenizer)
+    max_new_tokens = max_new_tokens or memory_tokens
+    prompts = [fmt.prompt(WRITER_SYSTEM, writer_prompt(ep, m, traj_chars)) for ep, m in zip(episodes, old_memories)]
+    outs = generate(model, prompts, max_new_tokens, temperature=temperature,
+                    stop_token_ids=fmt.eos_ids, seed=seed)
+    samples = []
+    for p, out, old in zip(prompts, outs, old_memories):
+        raw = tokenizer.decode(out.tokens, skip_special_tokens=True)
+        text = raw.strip()
+        status = "ok"
+        if not text:
+            status, text = "empty", old
+        elif out.finish_reason == "length" and len(out.tokens) >= memory_tokens:
+            status = "truncated"
+        samples.append(WriterSample(tokens=p + out.tokens, loss_mask=[0] * len(p) + [1] * len(out.tokens),
+                                    logprobs=[0.0] * len(p) + out.logprobs, memory=text, raw=raw, status=status))
+    return samples
+
+
+# -----------------------------------------------------------------------------
+# RIME's stream loop: actor with M(t-1) -> score s(t) -> writer writes M(t) -> judge(M(t-1), M(t))
+
+@dataclass
+class StreamRollout:
+    """One pass over a stream with evolving memory. Index t is the stream position."""
+    tasks: list
+    episodes: list = field(default_factory=list)   # Episode per task (actor rows)
+    writes: list = field(default_factory=list)     # WriterSample per task (M(t) written after task t)
+    memories: list = field(default_factory=list)   # memories[t] = M(t-1), what the actor of task t saw
+    explore: list = field(default_factory=list)    # judge score of M(t-1) -> M(t), None if not judged
+
+    @property
+    def scores(self) -> list[float]:
+        return [ep.score for ep in self.episodes]
+
+
+def run_streams(model, tokenizer, env, streams, *, writer_model=None, judge=None, temperature=1.0,
+                seed=0, max_turns=None, max_new_tokens=128, memory_tokens=2048, traj_chars=4000,
+                writer_temperature=None, on_task=None):
+    """Run every stream (a list of tasks) with memory, all streams side by side: at each position t
+    one batched actor call over all streams, then one batched writer call. The writer is `model`
+    itself (shared weights) unless `writer_model` is given (decoupled or frozen writer). The judge,
+    if given, scores each memory change; it never sees the trajectory. Streams may repeat (the
+    copies of a GRPO group). Returns one StreamRollout per stream."""
+    lengths = {len(s) for s in streams}
+    assert len(lengths) == 1, f"streams run in lockstep and must have one length, got {sorted(lengths)}"
+    envs_ = [env] + [env.clone() for _ in streams[1:]]
+    outs = [StreamRollout(tasks=list(s)) for s in streams]
+    memories = [""] * len(streams)
+    writer_temperature = temperature if writer_temperature is None else writer_temperature
+    for t in range(lengths.pop()):
+        eps = run_episodes(model, tokenizer, envs_, [s[t] for s in streams], memory=memories,
+                           temperature=temperature, seed=seed * 7907 + t, max_turns=max_turns,
+                           max_new_tokens=max_new_tokens)
+        writes = write_memory(writer_model or model, tokenizer, eps, memories, temperature=writer_temperature,
+                              seed=seed * 7919 + t, memory_tokens=memory_tokens, traj_chars=traj_chars)
+        for o, ep, w, old in zip(outs, eps, writes, memories):
+            o.episodes.append(ep)
+            o.writes.append(w)
+            o.memories.append(old)
+            o.explore.append(judge.score(old, w.memory) if judge is not None else None)
+        memories = [w.memory for w in writes]
+        if on_task is not None:
+            on_task(t)
+    for e in envs_[1:]:
+        e.close()
+    return outs

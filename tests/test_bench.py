@@ -1,0 +1,181 @@
+"""bench.py: metrics on a hand-computed stream, resume after an interruption, the table, the API
+client against a local stub server, failures never scored 0, and an end-to-end scripted run."""
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+import alchemy
+import bench
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# ----------------------------------------------------------------------------- metrics and table
+
+def _row(mode, task, attempt, score, failed=False):
+    return {"policy": "p", "stream": "s", "settings": {}, "mode": mode, "task": task, "attempt": attempt,
+            "score": None if failed else score, "failed": failed}
+
+
+def test_metrics_on_a_hand_computed_stream():
+    rows = [_row("memory", "a", 0, 1.0), _row("memory", "b", 0, 0.5), _row("memory", "c", 0, None, failed=True),
+            _row("scratch", "a", 0, 0.5), _row("scratch", "a", 1, 0.7),
+            _row("scratch", "b", 0, 0.0), _row("scratch", "b", 1, None, failed=True),
+            _row("scratch", "c", 0, 1.0), _row("scratch", "c", 1, 1.0)]
+    cell = bench.summarize("p", "s", ["a", "b", "c"], {bench.row_key(r): r for r in rows}, {})
+    # c is dropped (its with-memory run failed), never counted as 0; b's failed attempt is left out of its mean
+    assert (cell.counted, cell.total, cell.failed) == (2, 3, 2)
+    assert cell.reward == pytest.approx(1.5)
+    assert cell.gain == pytest.approx(1.5 - (0.6 + 0.0))
+    assert cell.scratch == pytest.approx([0.6, 0.0])
+    other = bench.summarize("p", "s", ["a", "b", "c"], {bench.row_key(r): r for r in rows}, {"seed": 1})
+    assert other.counted == 0 and other.failed == 0, "rows of other settings must not be reused"
+
+
+def test_table_marks_published_rows_and_failures():
+    cell = bench.Cell("scripted", "alchemy", 7.25, 1.5, 11, 12, 3, [1.0] * 11, [0.8] * 11)
+    table = bench.render_table([cell])
+    assert "| scripted | alchemy | 7.25 | +1.50 | 11/12 | 3 | measured here |" in table
+    for name, reward, gain in bench.PUBLISHED:
+        line = next(l for l in table.splitlines() if l.startswith(f"| {name} †"))
+        assert f"{reward:.2f}" in line and f"{gain:+.2f}" in line and "reported by the paper, not measured here" in line
+    assert "| GPT-6 Astra † | codebase19 | 17.25 | +2.26 |" in table
+    assert bench.sparkline([0, 1, 2], 2) == "▁▄█"
+
+
+def test_bad_config_gets_a_clear_error(tmp_path):
+    for argv, msg in ((["--streams", "nope"], "unknown stream"), (["--policy", str(tmp_path / "none")], "checkpoint dir"),
+                      (["--attempts", "0"], "--attempts"), (["--api", "http://x"], "go together")):
+        with pytest.raises(SystemExit, match=msg):
+            bench.main(argv)
+
+
+# ----------------------------------------------------------------------------- resume
+
+def test_resume_after_interruption_reruns_nothing_done(tmp_path, monkeypatch):
+    argv = ["--policy", "scripted", "--stream-len", "3", "--attempts", "2", "--results", str(tmp_path)]
+    resets = []
+    real_reset = alchemy.AlchemyEnv.reset
+
+    def counting_reset(self, task):
+        resets.append(task.id)
+        if len(resets) == 5 and interrupt:
+            raise KeyboardInterrupt  # the user stops the bench in the middle of the from-scratch part
+        return real_reset(self, task)
+    monkeypatch.setattr(alchemy.AlchemyEnv, "reset", counting_reset)
+
+    interrupt = True
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(argv)
+    done = (tmp_path / "rows.jsonl").read_text().splitlines()
+    assert len(done) == 4  # 3 with-memory tasks + 1 from-scratch attempt were finished
+    with open(tmp_path / "rows.jsonl", "a") as f:
+        f.write('{"policy": "scripted", "stream": "alch')  # a line cut by the interruption
+
+    interrupt, resets[:] = False, []
+    cells = bench.main(argv)
+    assert len(resets) == 3 * 3 - 4, "only the unfinished runs may be rerun"
+    # the finished rows equal those of an uninterrupted run (memory resumed from the cached rows)
+    fresh = tmp_path / "fresh"
+    full = bench.main(argv[:-1] + [str(fresh)])
+    assert (cells[0].reward, cells[0].gain, cells[0].counted) == (full[0].reward, full[0].gain, 3)
+    again, resets[:] = bench.main(argv), []
+    assert resets == [] and again[0].reward == cells[0].reward
+
+
+# ----------------------------------------------------------------------------- the API client
+
+class Stub(BaseHTTPRequestHandler):
+    plan = []       # what the next requests get: "ok", "500", "slow", "garbage"; then "ok"
+    requests = []   # the message lists received
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        Stub.requests.append(body["messages"])
+        what = Stub.plan.pop(0) if Stub.plan else "ok"
+        if what == "500":
+            self.send_response(500)
+            self.end_headers()
+            return
+        if what == "slow":
+            time.sleep(1.0)
+        reply = b"{not json" if what == "garbage" else json.dumps(
+            {"choices": [{"message": {"content": "Nothing to lose. <action>end</action>"}}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        try:
+            self.wfile.write(reply)
+        except OSError:
+            pass  # the client timed out and left
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def server():
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Stub)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    Stub.plan, Stub.requests = [], []
+    yield f"http://127.0.0.1:{srv.server_address[1]}/v1"
+    srv.shutdown()
+    srv.server_close()
+
+
+def _chat(url, **kw):
+    return bench.chat(url, "m", [{"role": "user", "content": "hi"}], timeout=0.3, retries=1, backoff=0.01, **kw)
+
+
+def test_api_success_and_500_then_success(server):
+    assert _chat(server).endswith("<action>end</action>")
+    Stub.plan = ["500"]
+    assert "<action>end</action>" in _chat(server)
+    assert len(Stub.requests) == 3
+
+
+def test_api_timeout_and_malformed_reply_fail_bounded(server):
+    for plan, msg in ((["slow", "slow"], "timed out|Timeout"), (["garbage", "garbage"], "malformed")):
+        Stub.plan, t0 = plan, time.time()
+        with pytest.raises(bench.ApiError, match=msg):
+            _chat(server)
+        assert time.time() - t0 < 3.0
+    Stub.plan = ["400"]  # a client error is not retried
+    Stub.plan = []
+
+
+def test_api_agent_plays_with_its_history_and_failures_are_not_zeros(server, tmp_path):
+    argv = ["--api", server, "--api-model", "m", "--stream-len", "2", "--attempts", "1", "--results", str(tmp_path),
+            "--api-timeout", "0.5", "--api-retries", "0", "--task-retries", "1", "--backoff", "0.01"]
+    cells = bench.main(argv)
+    assert cells[0].policy == "api:m" and cells[0].counted == 2 and cells[0].failed == 0
+    actor_calls = [m for m in Stub.requests if m[0]["content"].startswith("You are an agent")]
+    assert [len(m) for m in actor_calls[:3]] == [2, 4, 6], "the agent keeps its chat history within a task"
+    assert any(m[0]["content"].startswith("You keep a running") for m in Stub.requests), "the API agent writes memory"
+
+    Stub.plan = ["500"] * 1000  # the endpoint is down: every run fails, none is scored 0
+    cells = bench.main(argv[:-3] + [str(tmp_path / "down")] + argv[-2:])
+    assert cells[0].counted == 0 and cells[0].failed == 4
+    rows = [json.loads(l) for l in (tmp_path / "down" / "rows.jsonl").read_text().splitlines()]
+    assert all(r["failed"] and r["score"] is None and "HTTP 500" in r["reason"] for r in rows)
+    assert "| api:m | alchemy | 0.00 | +0.00 | 0/2 | 4 |" in (tmp_path / "down" / "table.md").read_text()
+
+
+# ----------------------------------------------------------------------------- end to end
+
+def test_scripted_end_to_end_subprocess(tmp_path):
+    r = subprocess.run([sys.executable, "bench.py", "--policy", "scripted", "--stream-len", "4", "--attempts", "1",
+                        "--results", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    table = (tmp_path / "table.md").read_text()
+    line = next(l for l in table.splitlines() if l.startswith("| scripted | alchemy |"))
+    reward = float(line.split("|")[3])
+    assert 0 < reward <= 4 and "| 4/4 | 0 |" in line
+    assert "with memory" in (tmp_path / "curves.txt").read_text() and "wall time" in r.stdout

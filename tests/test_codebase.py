@@ -1,0 +1,247 @@
+"""Codebase Adaptation / Coding: every task is checked end to end against the real test suites.
+
+Needs the cache (`python codebase.py fetch`, run by setup.sh). The per-task checks run two at a
+time (threads driving subprocesses), which is what keeps the file within its time budget.
+"""
+
+import ast
+import json
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+import codebase as cb
+from envs import Task, make
+
+ALL_TASKS = cb.load_tasks("codebase")
+
+
+def _pool_map(fn, items):
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(fn, items))
+
+
+# ----------------------------------------------------------------------------- data and streams
+
+def test_task_data_and_streams():
+    by_repo = {repo: [t for t in ALL_TASKS if t.group == repo] for repo in cb.REPOS}
+    for repo, tasks in by_repo.items():
+        assert len(tasks) >= 24, f"{repo}: only {len(tasks)} tasks (the issue asks for at least 24)"
+        assert {t.difficulty for t in tasks} == {0, 1, 2}, f"{repo}: difficulties 0, 1 and 2 all needed"
+        assert any(t.data["origin"] == "real" for t in tasks), f"{repo}: no real (released) bug"
+        for t in tasks:
+            assert t.data["FAIL_TO_PASS"], f"{t.id} has no FAIL_TO_PASS test"
+            assert not set(t.data["FAIL_TO_PASS"]) & set(t.data["PASS_TO_PASS"]), t.id
+            assert t.data["issue"] and t.data["patch"].startswith("--- a/"), t.id
+    stream = cb.test_stream()
+    assert [t.group for t in stream] == ["tablib"] * 9 + ["tenacity"] * 10
+    longs = cb.long_streams()
+    assert {r: len(s) for r, s in longs.items()} == {"tablib": 26, "tenacity": 27}
+    held_out = {t.id for s in longs.values() for t in s}
+    assert {t.id for t in stream} <= held_out, "the 19-stream must lie inside the held-out long streams"
+    assert all(t.split == "test" for s in longs.values() for t in s), "a long stream holds a train task"
+    env = make("codebase")
+    try:
+        train, test = env.tasks("train"), env.tasks("test")
+        assert {t.id for t in test} == held_out and not {t.id for t in train} & held_out
+        assert len(train) + len(test) == len(ALL_TASKS) and all(t.env == "codebase" for t in train)
+    finally:
+        env.close()
+
+
+def test_missing_cache_gives_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("RIME_CACHE", str(tmp_path / "nowhere"))
+    with pytest.raises(RuntimeError, match="python codebase.py fetch"):
+        make("codebase")
+
+
+# ----------------------------------------------------------------------------- every task
+
+@pytest.mark.parametrize("repo", list(cb.REPOS))
+def test_pristine_source_passes_every_task_test(repo):
+    """One run of the union of all tasks' FAIL_TO_PASS + PASS_TO_PASS on the untouched source."""
+    tasks = [t for t in ALL_TASKS if t.group == repo]
+    ids = sorted({i for t in tasks for i in t.data["FAIL_TO_PASS"] + t.data["PASS_TO_PASS"]})
+    data = {"kind": "native", "repo": repo, "FAIL_TO_PASS": ids, "PASS_TO_PASS": []}
+    g = cb.grade(data, cb.source_dir(repo))
+    assert g.resolved and g.f2p_frac == 1.0, f"pristine {repo} fails {g.failed[:5]} {g.error}"
+
+
+def _defined_tests(path: Path) -> set:
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            names |= {(node.name, f.name) for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add((node.name,))
+    return names
+
+
+def _check_task(task: Task) -> str:
+    """No-op submit scores 0 with every FAIL_TO_PASS failing; the reversed injection resolves."""
+    env = cb.CodebaseEnv()
+    try:
+        env.reset(task)
+        # hidden tests are cut out of the workspace's test files
+        for tid in task.data["FAIL_TO_PASS"]:
+            file, *names = tid.split("::")
+            key = tuple(n.split("[")[0] for n in names)
+            if key in _defined_tests(env.workdir / file):
+                return f"{task.id}: hidden test {tid} is in the workspace"
+        obs, reward, done = env.step("submit")
+        if not (done and reward == 0.0 and env.info["f2p_frac"] == 0.0 and not env.info["resolved"]):
+            return f"{task.id}: no-op submit gave reward {reward}, info {env.info}"
+        env.reset(task)
+        fix = env.reference_policy(task)("")
+        obs, reward, done = env.step(fix)
+        if "[exit code 0]" not in obs:
+            return f"{task.id}: the reversed patch did not apply: {obs[-300:]}"
+        obs, reward, done = env.step("submit")
+        if not (env.info["resolved"] and reward == pytest.approx(1 - 1 / 40) and env.info["solved_step"] == 2):
+            return f"{task.id}: reversing the injection did not resolve: {obs} {env.info}"
+        return ""
+    finally:
+        env.close()
+
+
+def test_every_task_noop_fails_and_reverse_resolves():
+    errors = [e for e in _pool_map(_check_task, ALL_TASKS) if e]
+    assert not errors, "\n".join(errors)
+
+
+# ----------------------------------------------------------------------------- episode mechanics
+
+@pytest.fixture
+def env():
+    e = make("codebase")
+    yield e
+    e.close()
+
+
+def test_reference_policy_full_episode_and_coding_score():
+    task = cb.test_stream()[0]
+    for name, expected in (("codebase", 1 - 2 / 40), ("coding", 1.0)):
+        env = make(name, command_timeout=60.0)
+        try:
+            tasks = {t.data["id"]: t for t in env.tasks("test")}
+            t = tasks[task.data["id"]]
+            obs = env.reset(t)
+            assert "40 of 40 turns remaining" in obs and "submit" in obs and t.data["issue"][:30] in obs
+            policy, total, done, steps = env.reference_policy(t), 0.0, False, 0
+            while not done:
+                obs, reward, done = env.step(policy(obs))
+                total, steps = total + reward, steps + 1
+            assert steps == 3 and total == pytest.approx(expected) and env.info["success"] == 1.0
+        finally:
+            env.close()
+
+
+def test_malformed_actions_never_raise_and_budget_ends(env):
+    env.max_steps = 6
+    task = ALL_TASKS[0]
+    env.reset(task)
+    for action in ["", "   ", None, 12345, "```bash\n```", "echo a\x00b", "exit 3"]:
+        obs, reward, done = env.step(action)
+        assert isinstance(obs, str) and reward == 0.0
+        if done:
+            break
+    assert done and "Out of turns" in obs and env.info["resolved"] is False
+    assert env.step("submit") == ("This task has ended; reset() starts the next one.", 0.0, True)
+
+
+def test_shell_output_is_capped_and_commands_time_out(env):
+    env.obs_chars = 500
+    env.command_timeout = 1.0
+    env.reset(ALL_TASKS[0])
+    env._sandbox.timeout = 1.0
+    obs, _, _ = env.step("python -c \"print('x' * 100000)\"")
+    assert len(obs) < 800 and "characters cut" in obs
+    obs, _, done = env.step("sleep 5")
+    assert "timed out" in obs and not done and "38 of 40 turns remaining" in obs
+
+
+def test_memory_survives_reset_and_workspace_is_fresh(env):
+    tasks = cb.test_stream()
+    env.reset(tasks[0])
+    env.step("echo 'tablib: headers may be None' > .agent_memory/notes.md && echo junk > scratch.txt")
+    env.reset(tasks[1])
+    assert env.memory_files() == {"notes.md": "tablib: headers may be None\n"}
+    assert not (env.workdir / "scratch.txt").exists()
+    obs, _, _ = env.step("git status --short")
+    assert "notes.md" not in obs, "memory must stay out of the task's git status"
+    env.set_memory_files({"a/b.md": "x"})
+    assert env.memory_files() == {"a/b.md": "x"}
+    clone = env.clone()
+    try:
+        assert clone.workdir != env.workdir and clone.memory_files() == {}
+    finally:
+        clone.close()
+
+
+def test_deleted_package_is_unresolved(env):
+    task = ALL_TASKS[-1]
+    env.reset(task)
+    env.step(f"rm -rf {cb.REPOS[task.group].package}")
+    obs, reward, done = env.step("submit")
+    assert done and reward == 0.0 and not env.info["resolved"]
+
+
+# ----------------------------------------------------------------------------- SWE-bench JSONL
+
+def _git(repo, *args):
+    subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True,
+                   env={"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+                        "GIT_COMMITTER_EMAIL": "t@t", "PATH": "/usr/bin:/bin", "HOME": str(repo)})
+
+
+def test_swebench_jsonl_loader(tmp_path):
+    repo = tmp_path / "tinylib"
+    (repo / "tests").mkdir(parents=True)
+    (repo / "tinylib.py").write_text("def add(a, b):\n    return a - b\n\n\ndef neg(a):\n    return -a\n")
+    (repo / "tests" / "test_neg.py").write_text("from tinylib import neg\n\n\ndef test_neg():\n    assert neg(2) == -2\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "base")
+    base = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    patch = ("--- a/tinylib.py\n+++ b/tinylib.py\n@@ -1,3 +1,3 @@\n def add(a, b):\n-    return a - b\n"
+             "+    return a + b\n \n")
+    test_patch = ("--- /dev/null\n+++ b/tests/test_add.py\n@@ -0,0 +1,5 @@\n+from tinylib import add\n+\n+\n"
+                  "+def test_add():\n+    assert add(2, 3) == 5\n")
+    row = {"instance_id": "tiny__tinylib-1", "repo": "tiny/tinylib", "base_commit": base,
+           "problem_statement": "add(2, 3) returns -1", "patch": patch, "test_patch": test_patch,
+           "FAIL_TO_PASS": json.dumps(["tests/test_add.py::test_add"]),
+           "PASS_TO_PASS": ["tests/test_neg.py::test_neg"],
+           "test_command": "python -m pytest -p no:cacheprovider", "test_timeout": 60}
+    path = tmp_path / "instances.jsonl"
+    path.write_text(json.dumps(row) + "\n\n")
+    (task,) = cb.load_swebench_jsonl(path, tmp_path)
+    assert task.id == "coding/tiny__tinylib-1" and task.group == "tiny/tinylib"
+    assert task.data["FAIL_TO_PASS"] == ["tests/test_add.py::test_add"]
+
+    env = make("coding", require_cache=False)
+    try:
+        obs = env.reset(task)
+        assert "add(2, 3) returns -1" in obs and not (env.workdir / "tests" / "test_add.py").exists()
+        obs, reward, done = env.step("submit")
+        assert done and reward == 0.0 and env.info["success"] == 0.0
+        env.reset(task)
+        policy, done, total = env.reference_policy(task), False, 0.0
+        while not done:
+            obs, reward, done = env.step(policy(obs))
+            total += reward
+        assert total == 1.0 and env.info["resolved"], obs
+        # a test_patch that cannot apply is unresolved, not an exception
+        broken = Task(task.id, "coding", 1, task.group, "test", {**task.data, "test_patch": "garbage\n"})
+        env.reset(broken)
+        env.step(env.reference_policy(broken)(""))
+        assert env.step("submit")[1] == 0.0
+    finally:
+        env.close()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"instance_id": "x"}) + "\n")
+    with pytest.raises(AssertionError, match="row lacks"):
+        cb.load_swebench_jsonl(bad, tmp_path)

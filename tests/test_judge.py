@@ -1,0 +1,327 @@
+"""judge.py: heuristic ordering on fixed memory pairs, the LLM judge's parser and retry, and the
+two completion backends (a local stub HTTP server; the tiny model through generate)."""
+
+import json
+import sys
+import threading
+import time
+import types
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from judge import (DIMENSIONS, RETRY, HeuristicJudge, LLMJudge, local_complete, openai_complete,
+                   parse_reply)
+
+BEFORE = """### Repository Knowledge
+- Run the tests with `pytest -x tests/`.
+- The CSV exporter lives in `src/tablib/formats/_csv.py`.
+- The default timeout is 10 seconds.
+### Lessons & Pitfalls
+- Read the failing test before editing.
+- Keep patches small.
+"""
+
+PAIRS = {
+    "no_change": BEFORE,
+    "whitespace": "\n" + BEFORE.replace("\n", "\n\n").replace("- ", "-   "),
+    "reordered": """### Lessons & Pitfalls
+* Keep patches small.
+* Read the failing test before editing.
+### Repository Knowledge
+* The default timeout is 10 seconds.
+* The CSV exporter lives in `src/tablib/formats/_csv.py`.
+* Run the tests with `pytest -x tests/`.
+""",
+    "paraphrase": """### Repository Knowledge
+- Tests are run using `pytest -x tests/`.
+- `src/tablib/formats/_csv.py` holds the CSV exporter.
+- By default the timeout is 10 seconds.
+### Lessons & Pitfalls
+- Before editing, read the failing test first.
+- Patches should be kept small, and the tests should always be read carefully.
+""",
+    "vague": BEFORE + "- Be careful with edge cases and always double-check your work.\n",
+    "vague_finding": BEFORE + "- The exporter sometimes has problems with headers.\n",
+    "specific": BEFORE + "- `Dataset.export('csv')` drops the header row when `headers=None`; "
+                         "the bug is in `_csv.py` line 42.\n",
+    "corrected": BEFORE.replace("- The default timeout is 10 seconds.",
+                                "- The default timeout is 30 seconds (not 10).\n"),
+    "wipe": "### Repository Knowledge\n- Nothing yet.\n- TBD.\n"
+            "### Lessons & Pitfalls\n- Try harder.\n- Be careful.\n",
+    "empty": "",
+}
+
+
+@pytest.fixture(scope="module")
+def heuristic():
+    j = HeuristicJudge()
+    return {k: j.score_parts(BEFORE, a) for k, a in PAIRS.items()}
+
+
+def test_heuristic_zero_cases(heuristic):
+    for k in ("no_change", "whitespace", "reordered", "paraphrase", "vague", "vague_finding",
+              "wipe", "empty"):
+        assert heuristic[k].score == 0.0, (k, heuristic[k])
+
+
+def test_heuristic_ordering(heuristic):
+    assert heuristic["specific"].score > heuristic["vague_finding"].score
+    assert heuristic["specific"].score > heuristic["vague"].score
+    assert heuristic["specific"].new_discoveries >= 1
+    assert heuristic["specific"].verification_targets == 2      # 4 new checkable tokens
+    assert heuristic["corrected"].score > 0.0
+    assert heuristic["corrected"].error_correction >= 1
+    assert heuristic["wipe"].detail.startswith("wiped prior knowledge")
+    for r in heuristic.values():
+        assert 0.0 <= r.score <= 1.0
+        assert r.score == sum(getattr(r, d) for d in DIMENSIONS) / 8
+
+
+def test_heuristic_more_cases():
+    j = HeuristicJudge()
+    # the first memory of a stream: specifics from nothing are discoveries; generic text is not
+    first = "### Repository Knowledge\n- `tox -e py311` runs the suite.\n"
+    assert j.score("", first) > 0.0
+    assert j.score("", "### Lessons & Pitfalls\n- Think step by step.\n- Be careful.\n") == 0.0
+    # padding next to a real finding lowers non_redundant_change below a clean finding
+    clean = BEFORE + "- `retry()` ignores `stop_after_attempt(3)` when `reraise=True`.\n"
+    padded = clean + "- Always be careful.\n- Testing is important.\n"
+    assert j.score_parts(BEFORE, clean).non_redundant_change == 2
+    assert j.score_parts(BEFORE, padded).non_redundant_change == 1
+    assert j.score(BEFORE, clean) > j.score(BEFORE, padded)
+    # a correction where a prior command was wrong (a cue word and a changed value)
+    fixed = BEFORE.replace("- Run the tests with `pytest -x tests/`.",
+                           "- Run the tests with `python -m pytest tests/test_core.py`; "
+                           "plain `pytest` fails with an import error.")
+    assert j.score_parts(BEFORE, fixed).error_correction >= 1
+    # repeating the same number in a longer sentence is not a discovery ("10" is not new)
+    assert j.score(BEFORE, BEFORE + "- Remember the timeout: 10 seconds by default.\n") == 0.0
+    # deterministic
+    assert j.score_parts(BEFORE, padded) == j.score_parts(BEFORE, padded)
+
+
+# ---------------------------------------------------------------------------------------------
+# LLM judge: parser, retry, fallback
+
+
+def _scripted(replies):
+    """A complete() that returns the given replies in turn and records the prompts it saw."""
+    seen = []
+
+    def complete(prompt):
+        seen.append(prompt)
+        r = replies[len(seen) - 1]
+        if isinstance(r, Exception):
+            raise r
+        return r
+
+    return complete, seen
+
+
+GOOD_REPLY = json.dumps({"new_discoveries": 2, "error_correction": 0,
+                         "verification_targets": 1, "non_redundant_change": 2})
+
+
+def test_llm_judge_valid_reply():
+    complete, seen = _scripted([GOOD_REPLY])
+    r = LLMJudge(complete).score_parts(BEFORE, PAIRS["specific"])
+    assert r.score == pytest.approx(5 / 8) and r.attempts == 1 and not r.fallback
+    assert (r.new_discoveries, r.verification_targets) == (2, 1)
+    assert len(seen) == 1 and "BEFORE:" in seen[0] and "`headers=None`" in seen[0]
+    fenced = "```json\n" + GOOD_REPLY + "\n```"
+    assert LLMJudge(_scripted([fenced])[0]).score(BEFORE, "x") == pytest.approx(5 / 8)
+
+
+def test_llm_judge_no_change_skips_the_call():
+    complete, seen = _scripted([])
+    assert LLMJudge(complete).score(BEFORE, BEFORE + "\n  \n") == 0.0
+    assert seen == []
+
+
+def test_llm_judge_retry_then_success():
+    complete, seen = _scripted(["I think this is pretty good!", GOOD_REPLY])
+    r = LLMJudge(complete).score_parts(BEFORE, PAIRS["specific"])
+    assert r.attempts == 2 and r.score == pytest.approx(5 / 8)
+    assert len(seen) == 2
+    assert "I think this is pretty good!" in seen[1] and RETRY.split(":")[0] in seen[1]
+
+
+def _dims(**kw):
+    d = {"new_discoveries": 1, "error_correction": 0, "verification_targets": 0,
+         "non_redundant_change": 0}
+    return json.dumps({**d, **kw})
+
+
+@pytest.mark.parametrize("garbage", [
+    "", "{", "null", "[1, 2]", '{"new_discoveries": 1}', _dims(new_discoveries=3),
+    _dims(error_correction=-1), _dims(verification_targets=True), _dims(new_discoveries="2"),
+    _dims(non_redundant_change=1.5), "\x00\xff" * 50, None, 42, "[" * 100_000,
+    "{" + "[" * 100_000 + "}",
+])
+def test_llm_judge_garbage_scores_zero(garbage, caplog):
+    with pytest.raises(ValueError):
+        parse_reply(garbage)
+    complete, seen = _scripted([garbage, garbage])
+    with caplog.at_level("WARNING", logger="judge"):
+        r = LLMJudge(complete).score_parts(BEFORE, PAIRS["specific"])
+    assert r.score == 0.0 and r.fallback and r.attempts == 2 and len(seen) == 2
+    assert "fell back to score 0" in caplog.text
+
+
+def test_llm_judge_backend_error_scores_zero():
+    complete, seen = _scripted([RuntimeError("server down"), TimeoutError("slow")])
+    r = LLMJudge(complete).score_parts(BEFORE, "new")
+    assert r.score == 0.0 and r.fallback and "backend error" in r.detail and len(seen) == 2
+
+
+def test_parse_reply_accepts_integral_floats_and_extra_keys():
+    reply = ('Here you go: {"new_discoveries": 1.0, "error_correction": 2, '
+             '"verification_targets": 0, "non_redundant_change": 1, "why": "ok"}')
+    assert parse_reply(reply) == {"new_discoveries": 1, "error_correction": 2,
+                                  "verification_targets": 0, "non_redundant_change": 1}
+
+
+# ---------------------------------------------------------------------------------------------
+# openai_complete against a stub server on 127.0.0.1
+
+
+class _Stub:
+    """A chat/completions server that answers from a script: ("ok", text) | ("status", code) |
+    ("sleep", seconds). Records each request's path, headers and JSON body."""
+
+    def __init__(self, script):
+        self.script, self.requests = list(script), []
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                stub.requests.append((self.path, dict(self.headers), body))
+                kind, arg = stub.script.pop(0) if stub.script else ("status", 500)
+                try:
+                    if kind == "sleep":
+                        time.sleep(arg)
+                        kind, arg = "ok", "late"
+                    if kind == "status":
+                        self.send_response(arg)
+                        self.end_headers()
+                        self.wfile.write(b'{"error": "stub"}')
+                        return
+                    data = json.dumps({"choices": [{"message": {"role": "assistant",
+                                                                "content": arg}}]}).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass   # the client gave up (timeout test)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_openai_complete_success(monkeypatch):
+    monkeypatch.setenv("JUDGE_TEST_KEY", "sk-test")
+    with _Stub([("ok", "hello")]) as stub:
+        complete = openai_complete(stub.url + "/", "judge-model", api_key_env="JUDGE_TEST_KEY",
+                                   timeout=5, retries=0)
+        assert complete("hi there") == "hello"
+    path, headers, body = stub.requests[0]
+    assert path == "/v1/chat/completions"
+    assert headers["Authorization"] == "Bearer sk-test"
+    assert body["model"] == "judge-model" and body["temperature"] == 0.0
+    assert body["messages"] == [{"role": "user", "content": "hi there"}]
+
+
+def test_openai_complete_retries_500_then_succeeds(monkeypatch):
+    monkeypatch.delenv("JUDGE_TEST_KEY", raising=False)
+    with _Stub([("status", 500), ("ok", GOOD_REPLY), ("status", 429), ("ok", GOOD_REPLY)]) as stub:
+        complete = openai_complete(stub.url, "m", api_key_env="JUDGE_TEST_KEY", timeout=5,
+                                   retries=2, backoff=0.01)
+        assert complete("hi") == GOOD_REPLY
+        assert len(stub.requests) == 2                          # the 500 was retried
+        assert LLMJudge(complete).score(BEFORE, PAIRS["specific"]) == pytest.approx(5 / 8)
+        assert len(stub.requests) == 4                          # 429 too, inside one judge call
+    assert "Authorization" not in stub.requests[0][1]          # no key set: no header
+
+
+def test_openai_complete_timeout_and_4xx():
+    with _Stub([("sleep", 1.0), ("sleep", 1.0)]) as stub:
+        complete = openai_complete(stub.url, "m", timeout=0.2, retries=1, backoff=0.01)
+        t = time.time()
+        with pytest.raises(RuntimeError, match="gave up after 2 tries"):
+            complete("hi")
+        assert time.time() - t < 3.0
+        assert len(stub.requests) == 2
+    with _Stub([("status", 400), ("ok", "never")]) as stub:
+        complete = openai_complete(stub.url, "m", timeout=5, retries=3, backoff=0.01)
+        with pytest.raises(RuntimeError, match="HTTP 400"):
+            complete("hi")
+        assert len(stub.requests) == 1                          # client errors are not retried
+        # through the judge, a dead backend is a logged 0, not an exception
+        stub.script = [("status", 503), ("status", 503)]
+        dead = openai_complete(stub.url, "m", timeout=5, retries=0)
+        assert LLMJudge(dead).score_parts(BEFORE, "x").fallback
+
+
+# ---------------------------------------------------------------------------------------------
+# local_complete: chat template + greedy generate
+
+
+def test_local_complete_wiring(monkeypatch):
+    calls = []
+
+    class Tok:
+        eos_token_id, unk_token_id = 0, None
+
+        def convert_tokens_to_ids(self, t):
+            return 7 if t == "<|im_end|>" else None
+
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            assert not tokenize and add_generation_prompt
+            return "<user>" + messages[0]["content"] + "<assistant>"
+
+        def __call__(self, text, add_special_tokens):
+            return {"input_ids": [ord(c) for c in text]}
+
+        def decode(self, ids, skip_special_tokens):
+            return "".join(chr(i) for i in ids if i not in (0, 7))
+
+    def fake_generate(model, prompts, max_new_tokens, temperature=1.0, stop_token_ids=(), **kw):
+        calls.append((prompts, max_new_tokens, temperature, stop_token_ids))
+        return [types.SimpleNamespace(tokens=[ord(c) for c in "{}"] + [7], logprobs=[0.0] * 3,
+                                      finish_reason="stop")]
+
+    monkeypatch.setitem(sys.modules, "generate", types.SimpleNamespace(generate=fake_generate))
+    complete = local_complete("the-model", Tok(), max_new_tokens=33)
+    assert complete("grade") == "{}"
+    prompts, max_new, temp, stop = calls[0]
+    assert prompts == [[ord(c) for c in "<user>grade<assistant>"]]
+    assert (max_new, temp, stop) == (33, 0.0, (0, 7))
+
+
+def test_local_complete_tiny_model():
+    # the real path: tiny random model + offline tokenizer; its reply is garbage -> logged 0
+    from model import tiny
+    model, tokenizer = tiny(arch="llama", seed=0)   # SmolLM2's family; the fastest prefill on CPU
+    complete = local_complete(model, tokenizer, max_new_tokens=4)
+    out = complete("Reply with JSON.")
+    assert isinstance(out, str)
+    assert complete("Reply with JSON.") == out                   # greedy: deterministic
+    r = LLMJudge(complete).score_parts(BEFORE, PAIRS["specific"])
+    assert r.score == 0.0 and r.fallback and r.attempts == 2

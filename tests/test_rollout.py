@@ -1,0 +1,153 @@
+"""rollout.py: action parsing, token-in/token-out exactness, the reset protocol, the writer role."""
+
+import torch
+
+from envs import Task
+from model import tiny
+from rollout import (ChatFormat, CONTINUATION_PATH, parse_action, run_episodes, run_scripted,
+                     trajectory_text, write_memory)
+
+
+class EchoEnv:
+    """A 5-step environment that never ends early: each action is echoed back."""
+    name, max_steps = "echo", 5
+
+    def __init__(self):
+        self.files, self.info, self.steps = {}, {}, 0
+
+    def tasks(self, split):
+        return [Task(id=f"echo/{i}", env="echo", difficulty=0, group="g", split=split) for i in range(3)]
+
+    def reset(self, task):
+        self.steps, self.info = 0, {"resets": 1}
+        return f"Task {task.id}: say anything."
+
+    def step(self, action):
+        self.steps += 1
+        if action.startswith("shell: "):
+            self.files["CONTINUATION.md"] = action
+        return f"you said {action!r}", 0.1, False
+
+    def reference_policy(self, task):
+        return lambda obs: f"shell: echo {len(obs)}"
+
+    def memory_files(self):
+        return dict(self.files)
+
+    def clone(self):
+        return EchoEnv()
+
+    def close(self):
+        pass
+
+
+class RaisingEnv(EchoEnv):
+    def step(self, action):
+        raise RuntimeError("sandbox exploded")
+
+    def clone(self):
+        return RaisingEnv()
+
+
+def test_parse_action():
+    assert parse_action("think <action> apply p1 s2 </action>") == "apply p1 s2"
+    assert parse_action("<action>a</action> then <action>b</action>") == "b"
+    assert parse_action("multi\n<action>ls\n-la</action>") == "ls\n-la"
+    assert parse_action("no tag here") is None
+    assert parse_action("<action>cut off") is None
+
+
+def _messages_text(tok, ep, fmt):
+    """Render the episode as a conversation with the chat template (the reference text)."""
+    from rollout import ACTOR_SYSTEM, first_user_turn, budget_line
+    msgs = [{"role": "system", "content": ACTOR_SYSTEM},
+            {"role": "user", "content": first_user_turn(ep.observations[0], ep.memory)}]
+    gen, cur = [], []
+    for t, m in zip(ep.tokens, ep.loss_mask):   # split generated runs
+        if m:
+            cur.append(t)
+        elif cur:
+            gen.append(cur); cur = []
+    if cur:
+        gen.append(cur)
+    for n, g in enumerate(gen):
+        if g and g[-1] in fmt.eos_ids:
+            g = g[:-1]
+        msgs.append({"role": "assistant", "content": tok.decode(g)})
+        if n + 1 < len(gen):
+            msgs.append({"role": "user", "content": f"{ep.observations[n + 1]}\n{budget_line(5 - n - 1, 5)}"})
+    return tok.apply_chat_template(msgs, tokenize=False)
+
+
+def test_token_in_token_out_five_turns():
+    model, tok = tiny("qwen3", seed=0)
+    env = EchoEnv()
+    eps = run_episodes(model, tok, env, env.tasks("train")[:2], memory="- a note", temperature=1.0,
+                       seed=3, max_new_tokens=12)
+    fmt = ChatFormat(tok)
+    for ep in eps:
+        assert ep.num_turns == 5 and ep.finish == "turns"
+        assert len(ep.tokens) == len(ep.loss_mask) == len(ep.logprobs)
+        # the row is exactly the chat template's rendering of the conversation (no drift)
+        assert tok.decode(ep.tokens) == _messages_text(tok, ep, fmt)
+        # and one forward over it reproduces the behaviour logprobs where the policy acted
+        with torch.no_grad():
+            logits = model(torch.tensor([ep.tokens]))[0].float()
+        lp = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(ep.tokens[1:])[:, None])[:, 0]
+        mask = torch.tensor(ep.loss_mask[1:], dtype=torch.bool)
+        assert mask.sum() > 0
+        assert torch.allclose(lp[mask], torch.tensor(ep.logprobs[1:])[mask], atol=1e-4)
+        assert all(l == 0.0 for l, m in zip(ep.logprobs, ep.loss_mask) if not m)
+        assert abs(ep.score - 0.1 * (5 - ep.num_format_errors)) < 1e-9
+
+
+def test_format_errors_count_as_turns_and_env_errors_are_recorded():
+    model, tok = tiny("qwen3", seed=0)
+    eps = run_episodes(model, tok, EchoEnv(), EchoEnv().tasks("train")[:1], seed=0, max_new_tokens=4)
+    # 4 random tokens never form a complete <action> tag
+    assert eps[0].num_format_errors == 5 and eps[0].num_turns == 5
+    eps = run_scripted(tok, RaisingEnv(), RaisingEnv().tasks("train")[:2],
+                       [lambda o: "x", lambda o: "y"])
+    assert all(ep.finish == "error" and "exploded" in ep.error for ep in eps)
+
+
+def test_reset_protocol_triggers_and_keeps_paths():
+    _, tok = tiny("qwen3", seed=0)
+    env = EchoEnv()
+    task = env.tasks("train")[0]
+    eps = run_scripted(tok, env, [task], [env.reference_policy(task)], context_budget=260)
+    ep = eps[0]
+    assert ep.num_resets >= 1 and len(ep.segments) == ep.num_resets
+    # the fresh context's prompt names the memory file's path but does not contain its contents
+    prompt = tok.decode(ep.tokens).split("<|im_start|>assistant")[0]
+    assert "Your context was reset" in prompt and CONTINUATION_PATH in prompt
+    assert "shell: echo" not in prompt
+    for seg in ep.rows():
+        assert len(seg.tokens) <= 260
+    # the reset added no sampled action: turns counted = actions taken
+    assert ep.num_turns == len(ep.actions) == 5
+
+
+def test_scripted_rows_are_protocol_rows():
+    _, tok = tiny("qwen3", seed=0)
+    env = EchoEnv()
+    task = env.tasks("train")[0]
+    ep = run_scripted(tok, env, [task], [lambda o: "hello"])[0]
+    fmt = ChatFormat(tok)
+    gen = [t for t, m in zip(ep.tokens, ep.loss_mask) if m]
+    assert gen == (fmt.encode("<action>hello</action>") + [fmt.end_id]) * 5
+    assert tok.decode(ep.tokens) == _messages_text(tok, ep, fmt)
+
+
+def test_writer_batch_and_trajectory_budget():
+    model, tok = tiny("qwen3", seed=0)
+    env = EchoEnv()
+    ep = run_scripted(tok, env, [env.tasks("train")[0]], [lambda o: "x" * 50])[0]
+    text = trajectory_text(ep, budget_chars=300)
+    assert text.count("<action>") == 5 and len(text) < 1400
+    samples = write_memory(model, tok, [ep, ep], ["old memory", ""], seed=0, memory_tokens=8)
+    assert len(samples) == 2
+    for s in samples:
+        assert len(s.tokens) == len(s.loss_mask) == len(s.logprobs)
+        assert s.status in ("ok", "truncated", "empty")
+        assert sum(s.loss_mask) <= 8
