@@ -45,6 +45,8 @@ def parse(args: list[str]):
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--quick", action="store_true", help="batch 8, prompts 32-128, 32 new tokens")
     p.add_argument("--repeats", type=int, default=1, help="runs per engine, interleaved; the best is kept")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default); 1 is "
+                   "steadier on a shared, overloaded CPU")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(args)
     if a.quick:
@@ -177,6 +179,8 @@ def check_flash(name, ours, prompts, new_tokens):
 def bench_engine(args: list[str]) -> None:
     a = parse(args)
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
+    if a.threads:
+        torch.set_num_threads(a.threads)
     print(f"engine benchmark: device {a.device} ({dtype}), threads {torch.get_num_threads()}, "
           f"prompts {a.min_prompt}-{a.max_prompt} tokens, {a.new_tokens} new tokens, greedy\n")
     with tempfile.TemporaryDirectory() as workdir:

@@ -112,25 +112,39 @@ def require_cache() -> None:
                            "once at set-up (it needs the PyPI registry; RIME_CACHE moves the cache root)")
 
 
-def fetch() -> Path:
-    """Download the pinned sdists, unpack them into the cache, install test deps. Idempotent."""
+def _pip(args: list[str], what: str) -> None:
+    cmd = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check", *args]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"fetch: could not {what} (needs the PyPI registry):\n  {' '.join(cmd)}\n"
+                           + "\n".join((res.stderr or res.stdout).strip().splitlines()[-3:]))
+
+
+def fetch(log=print) -> Path:
+    """Download the pinned sdists, unpack them into the cache, install test deps. Idempotent:
+    what is already in the cache is kept (delete the cache folder to fetch again)."""
     cache = cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
-    pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
     for spec in REPOS.values():
         dest = source_dir(spec.name)
         if dest.exists():
+            log(f"{spec.name} {spec.version}: already in {dest}")
             continue
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            subprocess.run([*pip, "download", "--no-deps", "--no-binary", ":all:",
-                            f"{spec.name}=={spec.version}", "-d", tmp], check=True)
+            _pip(["download", "--no-deps", "--no-binary", ":all:", f"{spec.name}=={spec.version}", "-d", tmp],
+                 f"download the {spec.name} {spec.version} sdist")
             (sdist,) = Path(tmp).glob("*.tar.gz")
             with tarfile.open(sdist) as tar:
                 tar.extractall(tmp, filter="data")
-            shutil.move(Path(tmp) / f"{spec.name}-{spec.version}", dest)  # atomic-ish: all or nothing
-    if not (deps_dir() / ".complete").exists():
-        subprocess.run([*pip, "install", "--no-deps", "--upgrade", "--target", str(deps_dir()), *TEST_DEPS], check=True)
+            shutil.move(Path(tmp) / f"{spec.name}-{spec.version}", dest)  # all or nothing
+        log(f"{spec.name} {spec.version}: unpacked into {dest}")
+    if (deps_dir() / ".complete").exists():
+        log(f"test dependencies: already in {deps_dir()}")
+    else:
+        _pip(["install", "--no-deps", "--upgrade", "--target", str(deps_dir()), *TEST_DEPS],
+             "install the test dependencies")
         (deps_dir() / ".complete").write_text("\n".join(TEST_DEPS) + "\n")
+        log(f"test dependencies: installed into {deps_dir()} ({', '.join(TEST_DEPS)})")
     return cache
 
 
@@ -215,25 +229,24 @@ def hide_tests(root: Path, test_ids: list[str]) -> None:
     for file, wanted in by_file.items():
         path = root / file
         lines = path.read_text().splitlines(keepends=True)
-        cut, keep_class = [], []   # cut: (first, last) 1-based line ranges
+        cut = []   # (first, last, replacement): 1-based line ranges of the original file
 
         def visit(body, prefix, cls):
-            removed = 0
+            mine = []
             for node in body:
                 if isinstance(node, ast.ClassDef):
                     visit(node.body, (*prefix, node.name), node)
                 elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and (*prefix, node.name) in wanted:
                     first = min([node.lineno] + [d.lineno for d in node.decorator_list])
-                    cut.append((first, node.end_lineno))
-                    removed += 1
-            if cls is not None and removed == len(body):   # an empty class body is a syntax error
-                keep_class.append(cls)
+                    mine.append([first, node.end_lineno, ""])
+            if cls is not None and mine and len(mine) == len(body):   # an empty class body is a syntax error
+                mine[0][2] = " " * body[0].col_offset + "pass\n"
+            cut.extend(mine)
 
         visit(ast.parse("".join(lines)).body, (), None)
-        for first, last in sorted(cut, reverse=True):
-            del lines[first - 1:last]
-        for cls in sorted(keep_class, key=lambda c: -c.lineno):
-            lines.insert(cls.lineno, " " * (cls.col_offset + 4) + "pass\n")
+        # bottom-up, so that every range still points at the original lines when it is cut
+        for first, last, replacement in sorted(cut, reverse=True):
+            lines[first - 1:last] = [replacement] if replacement else []
         path.write_text("".join(lines))
 
 
@@ -431,7 +444,7 @@ class CodebaseEnv:
                 f"Issue:\n{task.data['issue'].strip()}\n\n{ACTIONS.format(example=example)}\n"
                 + (f"{run}\n" if run else "")
                 + f"Your notes folder {MEMORY_DIR}/ is kept between tasks.\n"
-                f"{self.max_steps} of {self.max_steps} turns remaining.")
+                f"You have {self.max_steps} turns; each command or submit uses one.")
 
     def step(self, action) -> tuple[str, float, bool]:
         if self.task is None:
@@ -461,11 +474,11 @@ class CodebaseEnv:
                 obs = head + _clip(res.output, self.obs_chars).rstrip() + f"\n[exit code {res.exit_code}]"
             except Exception as exc:  # a command the shell cannot even start must not end the run
                 obs = f"The command could not run: {type(exc).__name__}: {exc}"
-        remaining = self.max_steps - self.num_steps
-        if remaining <= 0:
+        if self.num_steps >= self.max_steps:
             self.done = True
             obs += "\nOut of turns: the task ended without a submission (score 0)."
-        return obs + f"\n{remaining} of {self.max_steps} turns remaining.", reward, self.done
+        # no "N turns remaining" line here: rollout.py appends the budget to every observation
+        return obs, reward, self.done
 
     def reference_policy(self, task: Task):
         """Scripted oracle: apply the fix as a patch, run the visible tests, submit."""
@@ -520,6 +533,9 @@ require_cache_fn = require_cache  # CodebaseEnv's keyword argument shadows the f
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["fetch"]:
-        print(f"codebase cache ready at {fetch()}")
+        try:
+            print(f"codebase cache ready at {fetch()}")
+        except RuntimeError as exc:   # no registry: say so, without a traceback
+            sys.exit(str(exc))
     else:
         sys.exit("usage: python codebase.py fetch   (downloads tablib/tenacity sdists and test deps)")

@@ -9,9 +9,11 @@
 
 How it runs (the nano-vllm / gpt-fast recipe, without paging or continuous batching):
   1. Prefill. Prompts are sorted by length and cut into right-padded micro-batches whose padded size
-     (rows x longest prompt) stays under a token budget, so short prompts are not padded to the longest
-     one. Each micro-batch fills its own cache (`model(ids, cache=..., lengths=...)`); the caches are then
-     concatenated row-wise into one decode batch.
+     (rows x longest prompt) stays under a token budget and is at most 10% padding, so short prompts
+     are not padded to the longest one (the padding-free varlen prefill of nano-vllm, approximated).
+     Each micro-batch fills its own cache (`model(ids, cache=..., lengths=...)`); the caches are then
+     concatenated row-wise into one decode batch. Multi-turn: a prompt that extends an earlier
+     prompt + completion can pass that call's saved `Prefix`, and only its new tokens are prefilled.
   2. Decode. One token per step for every live row. A row stops at a stop token (kept, with its logprob:
      the learner trains on it) or at its own max_new_tokens. Finished rows are dropped from the batch
      with `Cache.select`, so they stop costing compute.
@@ -39,10 +41,19 @@ import torch
 
 
 @dataclass
+class Prefix:
+    """The model state after a prompt's first `num_tokens` tokens: a one-row Cache. A multi-turn
+    rollout passes it back with the longer next prompt, so only the new turn is prefilled."""
+    cache: object              # model.Cache with one row holding exactly num_tokens tokens
+    num_tokens: int
+
+
+@dataclass
 class Completion:
     tokens: list[int] = field(default_factory=list)      # generated tokens (stop token included)
     logprobs: list[float] = field(default_factory=list)  # one per token, under softmax(logits / T)
     finish_reason: str = "length"                         # "stop" (hit a stop token) | "length"
+    prefix: Prefix | None = None  # with keep_prefix: state after prompt + tokens[:-1] (the last token is not fed)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -109,17 +120,23 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
 # prefill
 
 
-def prefill(model, prompts: list[list[int]], cache_len: int, token_budget: int, device):
+def prefill(model, prompts: list[list[int]], cache_len: int, token_budget: int, device, max_padding=0.1):
     """Run the (length-sorted) prompts through the model in right-padded micro-batches.
 
+    cache_len: slots per row of the cache (prompt + completion); token_budget: most padded tokens per
+    micro-batch (bounds activation memory); max_padding: most padding per micro-batch, as a fraction.
     Returns (cache holding every row in `prompts` order, logits at each row's last prompt token (B, V))."""
     caches, last_logits = [], []
     start = 0
     while start < len(prompts):
-        # grow the micro-batch while (rows x longest prompt) fits the budget; prompts ascend in length,
-        # so the longest is the last one added. A single over-long prompt still forms its own batch.
-        end = start + 1
-        while end < len(prompts) and (end + 1 - start) * len(prompts[end]) <= token_budget:
+        # Grow the micro-batch while it fits the token budget and padding stays under max_padding of it.
+        # Prompts ascend in length, so the prompt added last is the longest. One prompt always fits.
+        end, num_real = start + 1, len(prompts[start])
+        while end < len(prompts):
+            padded = (end + 1 - start) * len(prompts[end])  # (rows x longest) after adding prompt `end`
+            if padded > token_budget or padded - (num_real + len(prompts[end])) > max_padding * padded:
+                break
+            num_real += len(prompts[end])
             end += 1
         rows = prompts[start:end]
         T = len(rows[-1])
@@ -134,6 +151,30 @@ def prefill(model, prompts: list[list[int]], cache_len: int, token_budget: int, 
         last_logits.append(logits.float())
         start = end
     cache = caches[0] if len(caches) == 1 else type(caches[0]).cat(caches)  # rows in `prompts` order
+    return cache, torch.cat(last_logits, dim=0)
+
+
+def extend(model, prefixes: list[Prefix], rests: list[list[int]], token_budget: int, device):
+    """Continue saved prefixes with the rest of their prompts, in right-padded micro-batches. The
+    prefixes' caches are copied (Cache.cat), so a caller's Prefix can be reused."""
+    caches, last_logits = [], []
+    start = 0
+    while start < len(rests):
+        end = start + 1
+        while end < len(rests) and (end + 1 - start) * max(len(r) for r in rests[start:end + 1]) <= token_budget:
+            end += 1
+        rows = rests[start:end]
+        T = max(len(r) for r in rows)
+        ids = torch.zeros(len(rows), T, dtype=torch.long)
+        for r, p in enumerate(rows):
+            ids[r, : len(p)] = torch.tensor(p)
+        cache = type(prefixes[start].cache).cat([p.cache for p in prefixes[start:end]])
+        lengths = torch.tensor([len(p) for p in rows], device=device)
+        logits = model(ids.to(device), cache=cache, lengths=lengths, last_only=True)[:, -1]
+        caches.append(cache)
+        last_logits.append(logits.float())
+        start = end
+    cache = caches[0] if len(caches) == 1 else type(caches[0]).cat(caches)
     return cache, torch.cat(last_logits, dim=0)
 
 
@@ -152,25 +193,56 @@ def generate(
     seed: int | None = None,
     prefill_token_budget: int = 4096,  # padded tokens per prefill micro-batch (bounds memory and padding)
     sync_every: int | None = None,     # decode steps between host read-backs; None: 1 on CPU, 8 on CUDA
+    prefixes: list | None = None,      # per prompt: a Prefix of it from an earlier call, or None
+    keep_prefix: bool = False,         # return each row's state in Completion.prefix, to continue it later
+    cache_len: int | None = None,      # cache slots per row (default: the longest prompt + max_new_tokens)
 ) -> list[Completion]:
     """Generate a completion for every prompt (a list of token ids; prompts may differ in length).
 
-    max_new_tokens: one int for all prompts, or one per prompt. Returns one Completion per prompt, in order."""
+    max_new_tokens: one int for all prompts, or one per prompt. Returns one Completion per prompt, in order.
+    Multi-turn use: with keep_prefix=True each Completion carries a Prefix; pass it (in `prefixes`)
+    with the next, longer prompt that starts with prompt + completion, and only the new tokens are
+    prefilled. All prefixes of one call must share cache_len (pass the same cache_len each time)."""
     max_new = _check_inputs(model, prompts, max_new_tokens, temperature, top_p)
     stop = {int(t) for t in stop_token_ids}
     device = next(model.parameters()).device
+    prefixes = list(prefixes) if prefixes is not None else [None] * len(prompts)
+    assert len(prefixes) == len(prompts), f"{len(prefixes)} prefixes for {len(prompts)} prompts"
+    for i, pf in enumerate(prefixes):
+        if pf is not None and not 0 < pf.num_tokens < len(prompts[i]):
+            raise ValueError(f"prefix {i} holds {pf.num_tokens} tokens: the prompt ({len(prompts[i])} tokens) must extend it")
     if sync_every is None:
         sync_every = 1 if device.type == "cpu" else 8
+    if keep_prefix:
+        # the saved state must stop exactly at the last kept token: a DeltaNet state cannot be rewound
+        # past tokens that were sampled after a stop token and fed through the model
+        sync_every = 1
     assert sync_every >= 1, f"sync_every must be >= 1, got {sync_every}"
     # seed=None still goes through torch's global RNG, so torch.manual_seed() makes runs repeatable
     if seed is None:
         seed = int(torch.randint(0, 2**62, (1,)).item())
     generator = torch.Generator(device=device).manual_seed(seed)
 
-    # --- prefill: shortest prompts first, so each micro-batch holds prompts of similar length
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    cache_len = max(len(prompts[i]) + max_new[i] for i in order)  # the longest any row can grow
-    cache, logits = prefill(model, [list(prompts[i]) for i in order], cache_len, prefill_token_budget, device)
+    # --- prefill: shortest prompts first, so each micro-batch holds prompts of similar length;
+    # prompts continuing a saved prefix only prefill their new tokens
+    need = max(len(p) + m for p, m in zip(prompts, max_new))   # the longest any row can grow
+    saved = {pf.cache.max_seq_len for pf in prefixes if pf is not None}
+    assert len(saved) <= 1, "all prefixes of one call must share cache_len"
+    cache_len = cache_len or (saved.pop() if saved else need)
+    if need > cache_len:
+        raise ValueError(f"a prompt + max_new_tokens needs {need} cache slots, cache_len is {cache_len}")
+    fresh = sorted((i for i in range(len(prompts)) if prefixes[i] is None), key=lambda i: len(prompts[i]))
+    cont = sorted((i for i in range(len(prompts)) if prefixes[i] is not None),
+                  key=lambda i: len(prompts[i]) - prefixes[i].num_tokens)
+    parts = []
+    if fresh:
+        parts.append(prefill(model, [list(prompts[i]) for i in fresh], cache_len, prefill_token_budget, device))
+    if cont:
+        parts.append(extend(model, [prefixes[i] for i in cont], [list(prompts[i][prefixes[i].num_tokens:]) for i in cont],
+                            prefill_token_budget, device))
+    order = fresh + cont
+    cache = parts[0][0] if len(parts) == 1 else type(parts[0][0]).cat([p[0] for p in parts])
+    logits = torch.cat([p[1] for p in parts], dim=0)
 
     # --- decode: all live rows advance together, so they share the count of generated tokens
     outs = [Completion() for _ in prompts]
@@ -202,6 +274,8 @@ def generate(
                         break
                 if not done:
                     keep.append(row)
+                elif keep_prefix:   # the cache holds prompt + tokens[:-1]: the last token was never fed
+                    out.prefix = Prefix(cache.take([row]), len(prompts[i]) + len(out.tokens) - 1)
             if not keep:
                 break
             if len(keep) < len(live):  # drop finished rows from the batch and the cache

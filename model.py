@@ -190,10 +190,20 @@ class Cache:
 
     def select(self, idx: torch.Tensor) -> None:
         """Keep only rows idx, in that order (drop finished sequences)."""
-        idx = torch.as_tensor(idx, dtype=torch.long, device=self.seqlens.device)
-        self.seqlens = self.seqlens[idx]
+        kept = self.take(idx)
+        self.seqlens = kept.seqlens
         for name in self.PER_LAYER:
-            setattr(self, name, [None if t is None else t[idx] for t in getattr(self, name)])
+            setattr(self, name, getattr(kept, name))
+
+    def take(self, idx) -> "Cache":
+        """A new Cache holding copies of rows idx; this one is left untouched (keep a finished
+        sequence's state to continue it later: multi-turn rollouts)."""
+        idx = torch.as_tensor(idx, dtype=torch.long, device=self.seqlens.device)
+        out = object.__new__(Cache)
+        out.max_seq_len, out.seqlens = self.max_seq_len, self.seqlens[idx]
+        for name in self.PER_LAYER:
+            setattr(out, name, [None if t is None else t[idx] for t in getattr(self, name)])
+        return out
 
     @staticmethod
     def cat(caches: list) -> "Cache":

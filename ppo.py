@@ -102,6 +102,8 @@ def init_distributed(device: str | None = None) -> Dist:
         dev = torch.device("cpu")
         if not dist.is_initialized():
             dist.init_process_group("gloo")
+        # ranks share the machine's cores: more threads than cores makes every op spin-wait
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
     return Dist(rank, local_rank, world_size, dev)
 
 

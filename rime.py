@@ -96,10 +96,16 @@ class Args:
     eval_attempts: int = 2           # from-scratch attempts per task in the evaluation (benchmark: 4)
     eval_every: int = 0              # also evaluate every N RL steps (0 = only before and after)
     checkpoint_every: int = 1        # RL steps between checkpoints
+    threads: int = 0                 # CPU threads per process; 0 = auto (1 for tiny/small models: their ops are too small to split)
 
     def __post_init__(self):
         if self.warmstart_steps < 0:     # auto: the smoke model and codebase skip it
             self.warmstart_steps = 300 if (self.model != "tiny" and self.env == "alchemy") else 0
+        if self.model == "tiny":         # the smoke run: the whole pipeline, minimal sizes
+            for name, value in dict(streams_per_step=1, group_size=2, segment=1, max_turns=6,
+                                    max_new_tokens=16, memory_tokens=48, eval_attempts=1).items():
+                if getattr(self, name) == getattr(Args, name):
+                    setattr(self, name, value)
         if self.preset == "paper":
             for name, value in dict(group_size=8, segment=6, lr=1e-6, max_turns=40, max_new_tokens=512,
                                     memory_tokens=2048, traj_chars=8000, eval_attempts=4,
@@ -335,6 +341,8 @@ def batch_of(rows, version):
 def main(argv=None):
     args = parse_args(argv)
     d = init_distributed()
+    if d.device.type == "cpu" and (args.threads or args.model in ("tiny", "small")):
+        torch.set_num_threads(args.threads or 1)
     torch.manual_seed(args.seed + d.rank)
     random.seed(args.seed + d.rank)
     os.makedirs(os.path.join(args.run_dir, "memories"), exist_ok=True)

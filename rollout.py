@@ -182,14 +182,25 @@ def run_episodes(model, tokenizer, env, tasks, memory="", temperature=1.0, seed=
     Returns list[Episode] in the order of tasks.
     """
     fmt = ChatFormat(tokenizer)
+    context_budget = context_budget or model.config.max_seq_len
+    # each episode's model state after its last turn: the next turn prefills only the new tokens
+    # (its observation), not the whole conversation again. A reset starts a new context: the
+    # state is keyed by the number of resets so a stale one is never reused.
+    saved = {}
 
-    def replies(prompts, step):
-        outs = generate(model, prompts, max_new_tokens, temperature=temperature, top_p=top_p,
-                        stop_token_ids=fmt.eos_ids, seed=None if seed is None else seed * 1000003 + step)
+    def replies(live_eps, step):
+        prefixes = [saved.get(id(ep), (None, None))[1] if saved.get(id(ep), (None,))[0] == ep.num_resets else None
+                    for ep in live_eps]
+        outs = generate(model, [ep.tokens for ep in live_eps], max_new_tokens, temperature=temperature,
+                        top_p=top_p, stop_token_ids=fmt.eos_ids, seed=None if seed is None else seed * 1000003 + step,
+                        prefixes=prefixes, keep_prefix=True, cache_len=context_budget)
+        for ep, o in zip(live_eps, outs):
+            saved[id(ep)] = (ep.num_resets, o.prefix)
         return [(o.tokens, o.logprobs, o.finish_reason == "stop") for o in outs]
-    return _loop(fmt, replies, env, tasks, memory, max_turns=max_turns, max_new_tokens=max_new_tokens,
-                 context_budget=context_budget or model.config.max_seq_len,
-                 system_prompt=system_prompt, num_threads=num_threads)
+    eps = _loop(fmt, replies, env, tasks, memory, max_turns=max_turns, max_new_tokens=max_new_tokens,
+                context_budget=context_budget, system_prompt=system_prompt, num_threads=num_threads)
+    saved.clear()
+    return eps
 
 
 def run_scripted(tokenizer, env, tasks, policies, memory="", *, max_turns=None,
@@ -203,7 +214,7 @@ def run_scripted(tokenizer, env, tasks, policies, memory="", *, max_turns=None,
     assert len(policies) == len(tasks), f"{len(policies)} policies for {len(tasks)} tasks"
     last_obs = {}
 
-    def replies(prompts, step):
+    def replies(live_eps, step):
         out = []
         for i in sorted(last_obs):
             ids = fmt.encode(f"<action>{policies[i](last_obs[i])}</action>") + [fmt.end_id]
@@ -216,8 +227,8 @@ def run_scripted(tokenizer, env, tasks, policies, memory="", *, max_turns=None,
 
 def _loop(fmt, replies, env, tasks, memory, *, max_turns, max_new_tokens, context_budget,
           system_prompt, num_threads, observe=None):
-    """The agent loop shared by model and scripted agents. `replies(prompts, step)` returns one
-    (tokens, logprobs, ended_with_eos) per live episode; `observe`, if given, is kept as
+    """The agent loop shared by model and scripted agents. `replies(live_episodes, step)` returns
+    one (tokens, logprobs, ended_with_eos) per live episode (replying to episode.tokens); `observe`, if given, is kept as
     {episode index: latest observation} for live episodes (what a scripted agent acts on)."""
     assert len(tasks) > 0, "run_episodes needs at least one task"
     envs_ = list(env) if isinstance(env, (list, tuple)) else [env] + [env.clone() for _ in tasks[1:]]
@@ -250,7 +261,7 @@ def _loop(fmt, replies, env, tasks, memory, *, max_turns, max_new_tokens, contex
         if observe is not None:
             observe.clear()
             observe.update({i: eps[i].observations[-1] for i in live})
-        outs = replies(prompts=[eps[i].tokens for i in live], step=step)
+        outs = replies([eps[i] for i in live], step)
         step += 1
         texts = {}
         for i, (toks, lps, ended) in zip(live, outs):

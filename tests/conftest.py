@@ -7,3 +7,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: first run converts SmolLM2 GGUF")
+
+
+# The test models are tiny: their ops are far too small to share between threads, and tests that
+# start subprocesses (torchrun ranks, sandboxes) would oversubscribe the cores. One thread each.
+import torch  # noqa: E402
+
+torch.set_num_threads(1)

@@ -147,21 +147,20 @@ def test_api_timeout_and_malformed_reply_fail_bounded(server):
         with pytest.raises(bench.ApiError, match=msg):
             _chat(server)
         assert time.time() - t0 < 3.0
-    Stub.plan = ["400"]  # a client error is not retried
-    Stub.plan = []
 
 
 def test_api_agent_plays_with_its_history_and_failures_are_not_zeros(server, tmp_path):
-    argv = ["--api", server, "--api-model", "m", "--stream-len", "2", "--attempts", "1", "--results", str(tmp_path),
-            "--api-timeout", "0.5", "--api-retries", "0", "--task-retries", "1", "--backoff", "0.01"]
-    cells = bench.main(argv)
+    def argv(results):
+        return ["--api", server, "--api-model", "m", "--stream-len", "2", "--attempts", "1", "--results", str(results),
+                "--api-timeout", "0.5", "--api-retries", "0", "--task-retries", "1", "--backoff", "0.01"]
+    cells = bench.main(argv(tmp_path))
     assert cells[0].policy == "api:m" and cells[0].counted == 2 and cells[0].failed == 0
     actor_calls = [m for m in Stub.requests if m[0]["content"].startswith("You are an agent")]
     assert [len(m) for m in actor_calls[:3]] == [2, 4, 6], "the agent keeps its chat history within a task"
     assert any(m[0]["content"].startswith("You keep a running") for m in Stub.requests), "the API agent writes memory"
 
     Stub.plan = ["500"] * 1000  # the endpoint is down: every run fails, none is scored 0
-    cells = bench.main(argv[:-3] + [str(tmp_path / "down")] + argv[-2:])
+    cells = bench.main(argv(tmp_path / "down"))
     assert cells[0].counted == 0 and cells[0].failed == 4
     rows = [json.loads(l) for l in (tmp_path / "down" / "rows.jsonl").read_text().splitlines()]
     assert all(r["failed"] and r["score"] is None and "HTTP 500" in r["reason"] for r in rows)

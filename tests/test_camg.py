@@ -1,0 +1,338 @@
+"""camg.py: smoke runs (one process, two processes, resume), the staleness bound, the episode queue under
+failing environments and timed-out commands, credit assignment, memory ablations, config errors.
+
+Fake environments stand in where a test needs an environment that raises or a command that times out;
+`rollout.parse_action` is patched so the random tiny model's replies reach env.step() at all."""
+import copy
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+import camg
+import rollout
+from envs import Task
+from ppo import Learner, make_batch
+from sandbox import Sandbox
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_camg(*args, timeout=240, launcher=()):
+    r = subprocess.run([sys.executable, *launcher, "camg.py", *args], cwd=ROOT, capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0, f"camg.py {' '.join(args)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r.stdout + r.stderr
+
+
+def jsonl(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def tiny_cfg(tmp_path, **kw):
+    base = dict(model="tiny", run_dir=str(tmp_path / "run"), num_workers=0, env_weights="shop=1", steps=1,
+                batch_episodes=2, rollout_batch=2, max_turns=2, max_new_tokens=8, eval_tasks=0)
+    return camg.Config(**{**base, **kw})
+
+
+# ----------------------------------------------------------------------------- fake environments
+
+
+class FakeEnv:
+    """Memory is a dict; each step writes a note and CONTINUATION.md. mode: "ok" | "raise" (step raises on
+    tasks with an odd index) | "timeout" (step runs a shell command past its sandbox timeout)."""
+    max_steps = 3
+
+    def __init__(self, name="shop", mode="ok", counter=None, registry=None):
+        self.name, self.mode, self.counter = name, mode, counter if counter is not None else []
+        self.memory, self.info, self.seen_memory, self.registry = {}, {}, [], registry
+        if registry is not None:
+            registry.append(self)
+
+    def tasks(self, split):
+        return [Task(id=f"{self.name}/g{g}/t{k}", env=self.name, difficulty=k, group=f"g{g}", split=split,
+                     data={"k": k}) for g in range(3) for k in range(4)]
+
+    def reset(self, task):
+        self.task, self.steps, self.info = task, 0, {"success": False}
+        self.seen_memory.append(dict(self.memory))      # what this task started with
+        self.counter.append(task.id)
+        return f"Task {task.id}. Actions: anything."
+
+    def step(self, action):
+        self.steps += 1
+        if self.mode == "raise" and self.task.data["k"] % 2 == 1:
+            raise RuntimeError("boom")
+        obs = "ok"
+        if self.mode == "timeout":
+            with Sandbox(timeout=0.3) as sb:
+                r = sb.run("sleep 5")
+            assert r.timed_out, "the sandbox should have timed the command out"   # else: a failed episode
+            obs = "$ sleep 5\n(timed out)"
+        self.memory[f"note-{self.task.group}.md"] = f"seen {self.task.id}"
+        self.memory["CONTINUATION.md"] = f"continue {self.task.id}"
+        done = self.steps >= 2
+        self.info["success"] = done
+        return obs, 1.0 if done else 0.0, done
+
+    def clone(self):
+        return FakeEnv(self.name, self.mode, self.counter, self.registry)
+
+    def close(self):
+        pass
+
+    def memory_files(self):
+        return dict(self.memory)
+
+    def set_memory_files(self, files):
+        self.memory = dict(files)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The tiny model's small matmuls run ~4x faster on one thread on a busy 2-core machine (as camg.py)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture
+def actions_always(monkeypatch):
+    """Every reply counts as an action, so env.step() runs whatever the random model wrote."""
+    monkeypatch.setattr(rollout, "parse_action", lambda reply: reply.strip() or "noop")
+
+
+# ----------------------------------------------------------------------------- smoke runs (subprocess)
+
+
+def test_smoke_single_process_then_resume(tmp_path):
+    run = tmp_path / "run"
+    out = run_camg("--model", "tiny", "--steps", "2", "--num_workers", "0", "--run_dir", str(run))
+    metrics = jsonl(run / "metrics.jsonl")
+    assert [m["update"] for m in metrics] == [1, 2]
+    for key in ("score", "approx_kl", "clipfrac", "entropy", "value_loss", "explained_var", "grad_norm",
+                "tokens_per_s", "lag_mean", "lag_max", "dropped_stale", "failed"):
+        assert key in metrics[-1], key
+    assert all(m["lag_max"] == 0 for m in metrics), "inline rollout is synchronous: lag must be 0"
+    eps = jsonl(run / "episodes.jsonl")
+    assert sum(e["used"] == "train" for e in eps) == 2 * 2
+    assert (run / "ckpt").is_dir() and json.loads((run / "config.json").read_text())["steps"] == 2
+    table = (run / "eval.md").read_text()
+    assert "| Shop | Coding | DeepResearch | AutoResearch | Avg |" in table and "reported by the paper" in table
+    assert "this run: tiny, update 2" in out
+    # resume (in-process, to save a start-up): the run dir has a checkpoint, so 3 steps continue at update 3
+    cfg = camg.parse_args(["--model", "tiny", "--steps", "3", "--num_workers", "0", "--run_dir", str(run),
+                           "--eval_tasks", "0"])
+    learner = camg.learner_main(cfg, camg.Dist())
+    assert learner.version == 3 and [m["update"] for m in jsonl(run / "metrics.jsonl")] == [1, 2, 3]
+    assert len(jsonl(run / "episodes.jsonl")) >= 3 * 2, "resuming must append to the logs, not truncate them"
+
+
+TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")
+
+
+@pytest.mark.parametrize("launcher", [(), TORCHRUN], ids=["spawn", "torchrun"])
+def test_smoke_two_processes_async_with_eta_0(tmp_path, launcher):
+    """Learner + one rollout process: spawned by `python camg.py`, or rank 1 of `torchrun --nproc_per_node 2`
+    (the GPU layout: train group + rollout ranks). With eta = 0 a worker that generated ahead with old
+    weights must see those episodes dropped, never trained: every trained episode has lag 0."""
+    run = tmp_path / "run"
+    run_camg("--model", "tiny", "--steps", "3", "--eta", "0", "--run_dir", str(run), "--eval_tasks", "0",
+             launcher=launcher)
+    metrics = jsonl(run / "metrics.jsonl")
+    assert [m["update"] for m in metrics] == [1, 2, 3] and metrics[-1]["version"] == 3
+    eps = jsonl(run / "episodes.jsonl")
+    trained = [e for e in eps if e["used"] == "train"]
+    assert len(trained) == 3 * 2 and all(e["lag"] == 0 for e in trained)
+    assert all(e["lag"] > 0 for e in eps if e["used"] == "stale")
+    assert all(e["worker"] == 0 for e in eps), "episodes must come from the spawned worker"
+    session = next((run / "exchange").iterdir())
+    assert (session / "STOP").exists() and not list((session / "queue").glob("*.pkl")), "queue not drained"
+
+
+def test_bad_config_is_a_clear_error_before_work(tmp_path, capsys):
+    for args, words in [(["--eta", "-1"], "--eta"), (["--env_weights", "shop=1,mall=2"], "unknown environment"),
+                        (["--eval_memory", "full,forget"], "--eval_memory"),
+                        (["--context_budget", "100"], "--context_budget"), (["--steps", "two"], "--steps"),
+                        (["--eval_memory", "shuffle", "--eval_tasks", "2", "--eval_stream_len", "2"], "2 or more streams")]:
+        with pytest.raises(SystemExit) as e:
+            camg.parse_args(["--model", "tiny", "--run_dir", str(tmp_path / "x"), *args])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and words in err and "Traceback" not in err, err
+    with pytest.raises(SystemExit, match="neither tiny"):
+        camg.check_setup(camg.parse_args(["--model", str(tmp_path / "no-such-model")]))
+    assert not (tmp_path / "x").exists(), "nothing may be written before the config is checked"
+
+
+# ----------------------------------------------------------------------------- staleness bound
+
+
+def test_staleness_bound_drops_old_and_corrects_admissible(tmp_path, actions_always):
+    """A straggler worker keeps generating with version-0 weights while the learner moves on. With eta = 1
+    at learner version 2: its version-0 episodes are dropped, version-1 episodes are trained with their
+    worker's behaviour logprobs, so the decoupled loss corrects them (pi_prox / pi_behav != 1)."""
+    torch.manual_seed(0)
+    cfg = tiny_cfg(tmp_path, eta=1)
+    model, tok = camg.build_model("tiny", "cpu", 0)
+    learner = Learner(model, value_head=True, lr=1e-2, entropy_coef=0.1, max_lag=1, gradient_checkpointing=False)
+    make = lambda name: FakeEnv(name)                                    # noqa: E731
+    straggler = camg.RolloutWorker(cfg, copy.deepcopy(learner.gen_model), tok, worker_id=1, seed=1, make_env=make)
+    stale = straggler.rollout_batch()                       # version 0
+    fresh = camg.RolloutWorker(cfg, learner.gen_model, tok, worker_id=0, seed=0, make_env=make)
+    state, logged = {"buffer": [], "num_stale": 0, "num_failed": 0}, []
+    log = lambda s, used: logged.append((s.worker, s.version, used))  # noqa: E731
+    mid = None
+    for _ in range(2):
+        fresh.version = learner.version
+        samples = camg.collect(state, learner.version, cfg, fresh.rollout_batch, log)
+        learner.update(camg.build_batch(samples, learner, 1.0, 1.0))
+        if learner.version == 1:                            # a second worker still holds version 1
+            mid = camg.RolloutWorker(cfg, copy.deepcopy(learner.gen_model), tok, worker_id=2, seed=2, make_env=make)
+            mid.version = 1
+            mid_samples = mid.rollout_batch()
+    assert learner.version == 2
+    arrivals = [stale, mid_samples]
+    batch_samples = camg.collect(state, learner.version, cfg, lambda: arrivals.pop(0) if arrivals else [], log)
+    assert {s.worker for s in batch_samples} == {2} and {s.version for s in batch_samples} == {1}
+    assert [u for w, v, u in logged if w == 1] == ["stale", "stale"], "version-0 episodes must be dropped"
+    batch = camg.build_batch(batch_samples, learner, 1.0, 1.0)
+    rows = [lp for s in batch_samples for _, m, lp in s.rows if any(m)]
+    for b, lp in enumerate(rows):                            # the worker's behaviour logprobs, untouched
+        assert torch.allclose(batch.behav_logprobs[b, :len(lp)], torch.tensor(lp))
+    prox = learner.logprobs_of(batch)
+    w = torch.exp(prox - batch.behav_logprobs)[batch.loss_mask.bool()]
+    assert (w - 1).abs().max() > 1e-3, "the weights moved since version 1: pi_prox / pi_behav must differ from 1"
+    stats = learner.update(batch)
+    assert stats["num_stale"] == 0 and torch.isfinite(torch.tensor(stats["loss"]))
+    # the learner's own guard: a version-0 row handed to update() anyway is masked out, not trained
+    old = camg.build_batch(stale, learner, 1.0, 1.0)
+    assert learner.update(old)["num_stale"] == len(old)
+
+
+# ----------------------------------------------------------------------------- queue robustness
+
+
+def test_queue_survives_raising_env_and_timeouts_without_loss(tmp_path, actions_always):
+    """A producer thread (the worker side) and the learner side share a bounded Exchange (max_queue 1).
+    Environments raise on half the tasks, or run commands past their timeout. Nothing deadlocks, every
+    queued episode reaches the learner, and failed ones carry their reason."""
+    cfg = tiny_cfg(tmp_path, env_weights="shop=1,coding=1", max_queue=1, rollout_batch=2)
+    resets = []
+    make = lambda name: FakeEnv(name, "raise" if name == "shop" else "timeout", resets)   # noqa: E731
+    model, tok = camg.build_model("tiny", "cpu", 0)
+    worker = camg.RolloutWorker(cfg, model.eval(), tok, seed=3, make_env=make)
+    ex = camg.Exchange(tmp_path / "ex", max_queue=1)
+    produced, put_ok, crash = [], [], []
+
+    def produce():
+        try:
+            while not ex.stopped():
+                batch = worker.rollout_batch()
+                produced.append(batch)
+                put_ok.append(ex.put(batch, 0))
+        except BaseException as e:  # noqa: BLE001
+            crash.append(e)
+    t = threading.Thread(target=produce)
+    t.start()
+    received, t0 = [], time.time()
+    while len(received) < 8 and time.time() - t0 < 120:
+        received += ex.take()
+        time.sleep(0.05)
+    ex.stop()
+    t.join(timeout=60)
+    assert not t.is_alive(), "the producer is stuck (deadlock)"
+    assert not crash, crash
+    received += ex.take()
+    queued = [s for b, ok in zip(produced, put_ok) if ok for s in b]
+    assert len(received) >= 8 and [s.task_id for s in received] == [s.task_id for s in queued], "episodes lost"
+    assert len(resets) == sum(len(b) for b in produced), "every started episode must come back as a Sample"
+    failed = [s for s in received if s.error]
+    assert failed and all(s.env == "shop" and "boom" in s.error and s.finish == "error" for s in failed)
+    timed = [s for s in received if s.env == "coding"]
+    assert timed and all(not s.error and s.score == 1.0 for s in timed), "a timed-out command is an observation"
+    # a crash of the whole rollout (e.g. generation) still returns every episode, failed with the reason
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(camg, "run_episodes", lambda *a, **k: (_ for _ in ()).throw(MemoryError("gen")))
+        out = worker.rollout_batch()
+    assert len(out) == 2 and all(s.error.startswith("rollout: MemoryError") for s in out)
+
+
+def test_learner_trains_through_failures_and_logs_every_episode(tmp_path, actions_always):
+    cfg = tiny_cfg(tmp_path, env_weights="shop=1,coding=1", steps=2, eval_tasks=2, eval_stream_len=1)
+    resets = []
+    make = lambda name: FakeEnv(name, "raise" if name == "shop" else "ok", resets)   # noqa: E731
+    camg.learner_main(cfg, camg.Dist(), make_env=make)
+    eps = jsonl(tmp_path / "run" / "episodes.jsonl")
+    train_resets = len(resets) - 2 * 2                     # minus the evaluation episodes (2 per env)
+    assert len(eps) == train_resets, "every training episode must appear in episodes.jsonl"
+    assert {e["used"] for e in eps} <= {"train", "failed", "unused"}
+    assert all(e["error"] == "step: RuntimeError('boom')" for e in eps if e["used"] == "failed")
+    assert sum(e["used"] == "train" for e in eps) == 2 * 2 and all(not e["error"] for e in eps if e["used"] == "train")
+    m = jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert len(m) == 2 and m[-1]["grad_norm"] > 0, "rewarded episodes must give a gradient"
+
+
+# ----------------------------------------------------------------------------- credit and memory
+
+
+def test_every_segment_gets_the_return_at_its_last_policy_token():
+    model, _ = camg.build_model("tiny", "cpu", 0)
+    learner = Learner(model, value_head=True, gradient_checkpointing=False)   # value head starts at V = 0
+    seg1 = ([5, 6, 7, 8, 9], [0, 1, 1, 0, 0], [0.0, -1.0, -2.0, 0.0, 0.0])   # closed by a context reset
+    seg2 = ([5, 6, 7, 8], [0, 0, 1, 0], [0.0, 0.0, -0.5, 0.0])
+    other = ([5, 6, 7], [0, 1, 1], [0.0, -1.0, -1.0])
+    samples = [camg.Sample("shop", "a", 0, 0, 0.75, 0.0, "done", rows=[seg1, seg2]),
+               camg.Sample("shop", "b", 0, 0, 0.25, 0.0, "done", rows=[other])]
+    batch = camg.build_batch(samples, learner, gamma=1.0, lam=1.0)
+    # gamma = lam = 1 and V = 0: the value target of every policy token is its episode's return
+    expect = make_batch([seg1[0], seg2[0], other[0]], [seg1[1], seg2[1], other[1]],
+                        returns=[[0, .75, .75, 0, 0], [0, 0, .75, 0], [0, .25, .25]]).returns
+    assert torch.allclose(batch.returns, expect)
+    assert (batch.advantages[batch.loss_mask == 0] == 0).all()
+    a = batch.advantages[batch.loss_mask.bool()]
+    assert abs(float(a.mean())) < 1e-5 and abs(float(a.std(unbiased=False)) - 1) < 1e-3, "whitened advantages"
+    assert batch.versions.tolist() == [0, 0, 0] and batch.old_values.abs().sum() == 0
+
+
+def test_memory_modes_and_evaluation_ablations(tmp_path, actions_always):
+    envs_ = [FakeEnv("shop") for _ in range(3)]
+    for i, e in enumerate(envs_):
+        e.memory = {f"n{i}.md": str(i), "CONTINUATION.md": f"c{i}"}
+    camg.apply_memory_mode(envs_, "shuffle")
+    assert [e.memory["CONTINUATION.md"] for e in envs_] == ["c1", "c2", "c0"]
+    camg.apply_memory_mode(envs_, "continuation")
+    assert all(list(e.memory) == ["CONTINUATION.md"] for e in envs_)
+    camg.apply_memory_mode(envs_, "blank")
+    assert all(e.memory == {} for e in envs_)
+    assert "No saved memory" in camg.memory_note(envs_[0])
+    envs_[0].memory = {"prefs.md": "secret"}
+    note = camg.memory_note(envs_[0])
+    assert ".agent_memory/prefs.md" in note and "secret" not in note, "the note gives paths, never contents"
+
+    streams = camg.eval_streams(FakeEnv(), num_tasks=5, stream_len=2)
+    assert [[t.id for t in s] for s in streams] == [["shop/g0/t0", "shop/g0/t1"], ["shop/g1/t0", "shop/g1/t1"],
+                                                    ["shop/g2/t0"]]
+    model, tok = camg.build_model("tiny", "cpu", 0)
+    cfg = tiny_cfg(tmp_path, eval_tasks=4, eval_stream_len=2)
+    made = []
+    make = lambda name: FakeEnv(name, registry=made)                     # noqa: E731
+    seen = {}
+    for mode in ("full", "blank", "shuffle", "continuation"):
+        made.clear()
+        res = camg.evaluate(cfg, model.eval(), tok, mode, make_env=make)
+        assert res["shop"]["num"] == 4
+        seen[mode] = [e.seen_memory[1] for e in made]       # the memory each stream's 2nd task started with
+    assert seen["full"][0] == {"note-g0.md": "seen shop/g0/t0", "CONTINUATION.md": "continue shop/g0/t0"}
+    assert seen["blank"] == [{}, {}]
+    assert seen["shuffle"][0] == seen["full"][1] and seen["shuffle"][1] == seen["full"][0]
+    assert seen["continuation"][0] == {"CONTINUATION.md": "continue shop/g0/t0"}
+    text = camg.table2([("this run", res)])
+    assert "| this run | 100.0 (n=4) | — | — | — | 100.0 |" in text and text.count("reported by the paper") == 6
