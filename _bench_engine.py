@@ -16,6 +16,7 @@ bf16 on GPU expect fewer).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import tempfile
 import time
 
@@ -47,6 +48,8 @@ def parse(args: list[str]):
     p.add_argument("--repeats", type=int, default=1, help="runs per engine, interleaved; the best is kept")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default); 1 is "
                    "steadier on a shared, overloaded CPU")
+    p.add_argument("--clock", default="wall", choices=["wall", "cpu"], help="cpu: this process's CPU time "
+                   "instead of wall time; steadier on a shared CPU (use with --threads 1; CPU device only)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(args)
     if a.quick:
@@ -58,8 +61,11 @@ def parse(args: list[str]):
     assert a.min_prompt >= 1 and a.max_prompt >= a.min_prompt, "need 1 <= --min-prompt <= --max-prompt"
     if a.device == "cuda":
         assert torch.cuda.is_available(), "--device cuda but torch sees no GPU"
+        if importlib.util.find_spec("flash_attn") is None:
+            raise SystemExit("--device cuda runs our engine with flash-attn: pip install -r requirements-gpu.txt")
     elif a.check:
         raise SystemExit("--check compares flash-attn with SDPA and needs --device cuda")
+    assert a.clock == "wall" or a.device == "cpu", "--clock cpu measures CPU time: CPU device only"
     return a
 
 
@@ -92,6 +98,9 @@ def ragged_prompts(batch: int, lo: int, hi: int, vocab: int, seed: int) -> list[
 # --- the two engines ----------------------------------------------------------------------------------
 
 
+CLOCK = time.perf_counter  # bench_engine() switches it to time.process_time for --clock cpu
+
+
 def _sync(device):
     if device == "cuda":
         torch.cuda.synchronize()
@@ -99,10 +108,10 @@ def _sync(device):
 
 def run_ours(model, prompts, new_tokens, device):
     _sync(device)
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     outs = generate(model, prompts, max_new_tokens=new_tokens, temperature=0)
     _sync(device)
-    return [o.tokens for o in outs], time.perf_counter() - t0
+    return [o.tokens for o in outs], CLOCK() - t0
 
 
 @torch.inference_mode()
@@ -114,11 +123,11 @@ def run_hf(hf, prompts, new_tokens, device):
         ids[b, T - len(p):] = torch.tensor(p)
         mask[b, T - len(p):] = 1
     _sync(device)
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     out = hf.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens,
                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     _sync(device)
-    return out[:, T:].tolist(), time.perf_counter() - t0
+    return out[:, T:].tolist(), CLOCK() - t0
 
 
 # --- GPU check: flash-attn against SDPA -------------------------------------------------------------
@@ -142,7 +151,7 @@ def cached_logits(model, prompts, completions):
 def check_flash(name, ours, prompts, new_tokens):
     """Compare attn_impl="flash" with "sdpa" on one bf16 model: no-cache logits, cached (prefill + decode)
     logits on the same token stream, and greedy tokens. Returns True when within bf16 tolerance."""
-    device = "cuda"
+    device = next(ours.parameters()).device
     T = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), T, dtype=torch.long, device=device)
     for b, p in enumerate(prompts):
@@ -153,7 +162,7 @@ def check_flash(name, ours, prompts, new_tokens):
         ours.attn_impl = impl
         with torch.inference_mode():
             full = ours(ids).float()[valid]  # (num real tokens, V): pads after a row's end are ignored
-        tokens, _ = run_ours(ours, prompts, new_tokens, device)
+        tokens, _ = run_ours(ours, prompts, new_tokens, device.type)
         res[impl] = (full, tokens)
     ours.attn_impl = "sdpa"
     ref_tokens = res["sdpa"][1]
@@ -181,7 +190,9 @@ def bench_engine(args: list[str]) -> None:
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     if a.threads:
         torch.set_num_threads(a.threads)
-    print(f"engine benchmark: device {a.device} ({dtype}), threads {torch.get_num_threads()}, "
+    global CLOCK
+    CLOCK = time.process_time if a.clock == "cpu" else time.perf_counter
+    print(f"engine benchmark: device {a.device} ({dtype}), threads {torch.get_num_threads()}, {a.clock} clock, "
           f"prompts {a.min_prompt}-{a.max_prompt} tokens, {a.new_tokens} new tokens, greedy\n")
     with tempfile.TemporaryDirectory() as workdir:
         pairs = {}

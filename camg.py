@@ -15,30 +15,26 @@ value loss, explained variance, grad norm, tokens/s, staleness), episodes.jsonl 
 received and its fate: train / stale / failed / unused), ckpt/ (resumed by default), eval.md, eval.json.
 
 How it works (DESIGN.md "Asynchronous PPO", as in AReaL):
-- Rollout workers generate continuously with the newest weights they have, over streams of training tasks
-  whose `.agent_memory/` persists from task to task (a new stream starts blank); each episode carries the
-  policy version that generated it. rollout.py's CONTINUATION.md reset protocol runs at --context_budget;
-  a task's first turn lists the saved memory files' paths, never their contents.
-- Every hand-off between processes is a file renamed into place in an exchange directory: episode batches
-  into a bounded queue (a worker waits while --max_queue batches are queued), weights (state dict +
-  version) back to the workers. Renames are atomic, so nothing reads half a file, and no process waits in
-  a collective for a slow peer. Plain `python` spawns --num_workers rollout processes (0 = inline, one
-  process); under torchrun the first --train_ranks ranks are the train group (their own process group,
-  FSDP2) and the other ranks roll out.
-- The learner takes --batch_episodes episodes, drops those more than eta versions old (ppo.fresh_rows)
-  and trains with the decoupled objective (behaviour logprobs from the worker, proximal ones recomputed).
-  Stale episodes are *dropped, not down-weighted*: inside the bound the weight pi_prox / pi_behav
-  corrects them without bias; past it that weight's variance makes the gradient worthless, and any
-  down-weighting curve would add an arbitrary bias of its own.
-- Credit: memory actions (notes, CONTINUATION.md) and task actions share the task return; there is no
-  memory reward. Every training row of an episode (each context closed by a reset, then the last) gets
-  the episode's score at its last policy token, and GAE with the critic (a value head) runs over its
-  policy tokens. An episode whose environment raised is logged as failed with the reason, not trained on.
-- Evaluation: --eval_tasks test tasks per env (the paper: 128), greedy, as streams (a test group's tasks in
-  order, memory carried): success per env and the average in the paper's Table 2 layout, beside the
-  published rows. Memory ablations (--eval_memory): blank empties the saved memory before each task,
-  shuffle swaps in another stream's memory folder, continuation keeps only CONTINUATION.md (trained
-  that way too with --train_memory continuation, as the paper's ablation).
+- Rollout workers generate continuously with the newest weights they have, over streams of training
+  tasks whose `.agent_memory/` persists from task to task (a new stream starts blank); each episode
+  carries the version of the weights that generated it. rollout.py's CONTINUATION.md reset protocol runs
+  at --context_budget; a task's first turn lists the saved memory files' paths, not their contents.
+- Every hand-off between processes is a file renamed into place (atomic: nothing reads half a file, and
+  no process waits in a collective for a slow peer): episode batches into a bounded queue, weights
+  (state dict + version) back to the workers. `python` spawns --num_workers rollout processes (0 = inline,
+  one process); under torchrun the first --train_ranks ranks are the train group (FSDP2), the rest roll out.
+- The learner drops episodes more than eta versions old (ppo.fresh_rows) and trains with the decoupled
+  objective (behaviour logprobs from the worker, proximal ones recomputed). Stale episodes are *dropped,
+  not down-weighted*: inside the bound pi_prox / pi_behav corrects them without bias; past it that
+  weight's variance makes the gradient worthless, and a down-weighting curve would be a bias of its own.
+- Credit: memory actions (notes, CONTINUATION.md) and task actions share the task return (no memory
+  reward). Every row of an episode (each context closed by a reset, then the last) gets the episode's
+  score at its last policy token; GAE with the critic (a value head) runs over its policy tokens.
+  An episode whose environment raised is logged as failed with its reason and not trained on.
+- Evaluation: --eval_tasks test tasks per env (the paper: 128), greedy, as streams (a test group's tasks
+  in order, memory carried); success per env and the average in the paper's Table 2 layout, beside the
+  published rows. Ablations (--eval_memory): blank empties the saved memory before each task, shuffle
+  swaps in another stream's memory, continuation keeps only CONTINUATION.md (--train_memory too).
 
 Departures from the paper: small defaults; weights travel through files, not an NCCL broadcast (use a
 tmpfs --exchange_dir at scale); no KL to a reference by default (--kl_coef); a segment's GAE chain ends at
@@ -166,7 +162,7 @@ def parse_weights(text: str) -> dict:
 
 def parse_args(argv=None) -> Config:
     p = argparse.ArgumentParser(description="CAMG-RL: asynchronous PPO across the four CAMG environments")
-    flag = lambda s: {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}[s.lower()]  # noqa: E731
+    flag = lambda s: {"true": True, "1": True, "false": False, "0": False}[s.lower()]  # noqa: E731
     for f in fields(Config):
         if isinstance(f.default, bool):
             p.add_argument(f"--{f.name}", nargs="?", const=True, default=f.default, type=flag)
@@ -291,21 +287,17 @@ class Exchange:
         except FileNotFoundError:   # replaced by a newer version meanwhile: the caller asks again
             return None
 
-    def write(self, name: str, obj) -> None:
+    def write(self, name: str, obj) -> None:     # small records between train ranks: a batch, eval results
         _write_atomic(self.root / name, obj)
 
     def read(self, name: str):
-        p = self.root / name
-        return pickle.loads(p.read_bytes()) if p.exists() else None
+        return pickle.loads((self.root / name).read_bytes()) if (self.root / name).exists() else None
 
     def stop(self) -> None:
         (self.root / "STOP").touch()
 
     def stopped(self) -> bool:
         return (self.root / "STOP").exists()
-
-    def errors(self) -> list[str]:
-        return [p.read_text() for p in sorted(self.root.glob("worker*.error"))]
 
 
 def session_dir(cfg: Config) -> Path:
@@ -315,7 +307,8 @@ def session_dir(cfg: Config) -> Path:
     if os.environ.get("CAMG_SESSION"):                  # plain python: the learner names it for its workers
         return base / os.environ["CAMG_SESSION"]
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")       # torchrun: every rank has the same parent
-    return base / (f"torchrun-{run_id}" if run_id != "none" else f"torchrun-ppid{os.getppid()}")
+    run_id = run_id if run_id != "none" else f"ppid{os.getppid()}"
+    return base / f"torchrun-{run_id}-restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 # -----------------------------------------------------------------------------------------------
@@ -533,17 +526,18 @@ def evaluate(cfg: Config, model, tokenizer, mode: str, rank: int = 0, world: int
                 proto.close()
         for _, e, _ in streams:
             e.set_memory_files({})
-        for k in range(max((len(s) for _, _, s in streams), default=0)):
-            for name in results if k > 0 else ():
-                apply_memory_mode([e for n, e, s in streams if n == name and (k < len(s) or mode == "shuffle")], mode)
-            live = [st for st in streams if k < len(st[2])]
-            eps = run_episodes(model, tokenizer, [e for _, e, _ in live], [s[k] for _, _, s in live],
+        for pos in range(max((len(s) for _, _, s in streams), default=0)):
+            # between tasks the mode decides what the next task starts with (shuffle partners may have ended)
+            for name in results if pos > 0 else ():
+                apply_memory_mode([e for n, e, s in streams if n == name and (pos < len(s) or mode == "shuffle")], mode)
+            live = [st for st in streams if pos < len(st[2])]
+            eps = run_episodes(model, tokenizer, [e for _, e, _ in live], [s[pos] for _, _, s in live],
                                memory=[memory_note(e) for _, e, _ in live], temperature=0.0, seed=cfg.seed,
                                max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens,
                                context_budget=cfg.context_budget)
             for s in to_samples(eps, [n for n, _, _ in live], 0, -1, 0.0):
-                for k, v in (("success", s.success), ("score", s.score), ("num", 1), ("failed", bool(s.error))):
-                    results[s.env][k] += v
+                for key, v in (("success", s.success), ("score", s.score), ("num", 1), ("failed", bool(s.error))):
+                    results[s.env][key] += v
     finally:
         for _, e, _ in streams:
             e.close()
@@ -559,8 +553,10 @@ def table2(rows: list[tuple[str, dict]]) -> str:
         avg = f"{sum(vals.values()) / len(vals):.1f}" if vals else "—"
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {avg} |")
     for label, *vals in PAPER_ROWS:
-        lines.append(f"| {label} *(reported by the paper)* | " + " | ".join("—" if v is None else f"{v:.1f}" for v in vals) + " |")
-    return "\n".join(lines)
+        cells = ["—" if v is None else f"{v:.1f}" for v in vals]
+        lines.append(f"| {label} *(reported by the paper)* | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + ("\n\nPaper rows: CAMG paper, Table 2 and ablations (4B models, 128 tasks per env). "
+                               "CompactionRL's average and the blanked row are derived from its reported figures.")
 
 
 def run_eval(cfg: Config, learner: Learner, tokenizer, step: int, ex: Exchange, make_env=envs.make) -> str:
@@ -568,8 +564,8 @@ def run_eval(cfg: Config, learner: Learner, tokenizer, step: int, ex: Exchange, 
     collective waits on the slowest rank) and writes eval.md / eval.json. Returns the table (rank 0)."""
     d, rows = learner.d, []
     for mode in cfg.eval_modes:
-        ex.write(f"eval-{step}-{mode}-rank{d.rank}.pkl", evaluate(cfg, learner.gen_model, tokenizer, mode, d.rank, d.world_size,
-                                                                   make_env))
+        part = evaluate(cfg, learner.gen_model, tokenizer, mode, d.rank, d.world_size, make_env)
+        ex.write(f"eval-{step}-{mode}-rank{d.rank}.pkl", part)
         total = {}
         for r in range(d.world_size if d.is_main else 0):
             while (part := ex.read(f"eval-{step}-{mode}-rank{r}.pkl")) is None:
@@ -639,20 +635,25 @@ def update_metrics(samples: list[Sample], stats: dict, version: int, state: dict
 
 def one_line(m: dict) -> str:
     g = lambda k, f=".3f": format(m.get(k, float("nan")), f)        # noqa: E731
-    return (f"update {m['update']:4d} | score {g('score')} success {g('success', '.2f')} | kl {g('approx_kl', '.4f')} "
-            f"clip {g('clipfrac')} ent {g('entropy', '.2f')} vloss {g('value_loss', '.4f')} ev {g('explained_var', '.2f')} "
-            f"gnorm {g('grad_norm', '.2f')} | {g('tokens_per_s', '.0f')} tok/s | lag {g('lag_mean', '.1f')}/{m['lag_max']} "
-            f"stale {m['dropped_stale']} failed {m['failed']}")
+    return (f"update {m['update']:4d} | score {g('score')} success {g('success', '.2f')} | "
+            f"kl {g('approx_kl', '.4f')} clip {g('clipfrac')} ent {g('entropy', '.2f')} vloss {g('value_loss', '.4f')} "
+            f"ev {g('explained_var', '.2f')} gnorm {g('grad_norm', '.2f')} | {g('tokens_per_s', '.0f')} tok/s | "
+            f"lag {g('lag_mean', '.1f')}/{m['lag_max']} stale {m['dropped_stale']} failed {m['failed']}")
 
 
 def learner_main(cfg: Config, d: Dist, num_spawn: int = 0, remote_workers: bool = False, make_env=envs.make):
     run_dir = Path(cfg.run_dir)
     ckpt, resuming = run_dir / "ckpt", cfg.resume and (run_dir / "ckpt").exists()
+    saved = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").exists() else {}
+    if resuming and saved.get("model", cfg.model) != cfg.model:
+        sys.exit(f"camg.py: {run_dir} holds a checkpoint of --model {saved['model']}, not {cfg.model}: "
+                 "pick another --run_dir, or --resume false to start over")
     if d.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
-        for name in ("metrics.jsonl", "episodes.jsonl", "eval.json") if not resuming else ():
-            (run_dir / name).unlink(missing_ok=True)
+        if not cfg.eval_only:       # evaluating leaves a run's config and logs alone
+            (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+            for name in ("metrics.jsonl", "episodes.jsonl", "eval.json") if not resuming else ():
+                (run_dir / name).unlink(missing_ok=True)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
 
@@ -675,26 +676,24 @@ def learner_main(cfg: Config, d: Dist, num_spawn: int = 0, remote_workers: bool 
                 shutil.rmtree(old, ignore_errors=True)
         if remote and not cfg.eval_only:
             ex.publish(learner.gen_model.state_dict(), learner.version)
-    procs, inline = [], None
-    if cfg.eval_only or step >= cfg.steps:
-        pass
-    elif num_spawn:
-        ctx = torch.multiprocessing.get_context("spawn")
-        threads = cpu_threads(cfg, num_spawn + 1) if d.device.type == "cpu" else 4
-        for i in range(num_spawn):
-            procs.append(ctx.Process(target=worker_main, args=(cfg, i, str(d.device), threads, ex.root.name), daemon=True))
-            procs[-1].start()
-    elif not remote:                # one process: the rollout runs inline with the learner's generation copy
-        inline = RolloutWorker(cfg, learner.gen_model, tokenizer, 0, seed=cfg.seed + step, make_env=make_env)
+    training = not cfg.eval_only and step < cfg.steps
+    threads = cpu_threads(cfg, num_spawn + 1) if d.device.type == "cpu" else 4
+    procs = [torch.multiprocessing.get_context("spawn").Process(
+        target=worker_main, args=(cfg, i, str(d.device), threads, ex.root.name), daemon=True)
+        for i in range(num_spawn if training else 0)]
+    for p in procs:
+        p.start()
+    # one process: the rollout runs inline, with the learner's generation copy
+    inline = RolloutWorker(cfg, learner.gen_model, tokenizer, 0, seed=cfg.seed + step, make_env=make_env) \
+        if training and not remote else None
 
     def source() -> list[Sample]:
         if inline is not None:      # generate now, with the current weights (lag 0: synchronous)
             inline.version = learner.version
             return inline.rollout_batch()
-        dead = [p for p in procs if not p.is_alive()]
-        if dead or ex.errors():
-            raise RuntimeError(f"a rollout worker died (exit codes {[p.exitcode for p in dead]}):\n"
-                               + "\n".join(ex.errors()))
+        errors = [p.read_text() for p in sorted(ex.root.glob("worker*.error"))]
+        if errors or not all(p.is_alive() for p in procs):
+            raise RuntimeError("a rollout worker died:\n" + ("\n".join(errors) or "(no traceback; killed?)"))
         return ex.take() or time.sleep(0.05) or []
 
     epi_log = open(run_dir / "episodes.jsonl", "a") if d.is_main else None
@@ -710,8 +709,8 @@ def learner_main(cfg: Config, d: Dist, num_spawn: int = 0, remote_workers: bool 
     # --- training
     state = {"buffer": [], "num_stale": 0, "num_failed": 0}
     try:
-        bar = tqdm(total=cfg.steps, initial=min(step, cfg.steps), disable=not d.is_main or cfg.eval_only, desc="camg")
-        while step < cfg.steps and not cfg.eval_only:
+        bar = tqdm(total=cfg.steps, initial=min(step, cfg.steps), disable=not d.is_main or not training, desc="camg")
+        while training and step < cfg.steps:
             t0 = time.perf_counter()
             if d.is_main:           # rank 0 collects; the other train ranks read the same batch from a file
                 samples = collect(state, learner.version, cfg, source, log)
@@ -746,7 +745,7 @@ def learner_main(cfg: Config, d: Dist, num_spawn: int = 0, remote_workers: bool 
         for p in procs:
             p.join(timeout=15)
             if p.is_alive():
-                p.terminate()
+                p.terminate()       # a process this learner started, by its handle
                 p.join(timeout=15)
         if d.is_main:
             for s in state["buffer"] + ex.take():
@@ -757,7 +756,8 @@ def learner_main(cfg: Config, d: Dist, num_spawn: int = 0, remote_workers: bool 
 
     # --- evaluation
     if cfg.eval_tasks:
-        print0("\nSuccess (%) on test tasks, greedy (the paper's Table 2 layout)\n" + run_eval(cfg, learner, tokenizer, step, ex, make_env))
+        table = run_eval(cfg, learner, tokenizer, step, ex, make_env)
+        print0("\nSuccess (%) on test tasks, greedy (the paper's Table 2 layout)\n" + table)
     return learner
 
 

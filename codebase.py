@@ -9,12 +9,13 @@ Both environments serve the same bug-fix tasks in two pinned PyPI releases, `tab
     obs, reward, done = env.step("grep -n 'def stack' src/tablib/core.py")   # any shell command
     obs, reward, done = env.step("submit")                                    # grade and end
 
-A task (data/codebase/<repo>.json) is an issue written like a user's bug report, `edits` that
-inject the bug into the pristine source (its unified diff is `patch`), hidden FAIL_TO_PASS tests
-(fail with the bug, pass on the pristine source) and PASS_TO_PASS tests (the other fast, passing
-tests of the same test modules). `origin` says whether the bug is real (a fix released between
-two versions, reversed; `source` names it) or injected. Difficulty: 0 = a one-line slip, 1 = a few lines of one
-function, 2 = a logic bug across functions. `data/codebase/build.py` computed the test lists.
+A task (data/codebase/<repo>.json; 48 tablib and 42 tenacity tasks) is an issue written like a
+user's bug report, `edits` that inject the bug into the pristine source (its unified diff is
+`patch`), hidden FAIL_TO_PASS tests (fail with the bug, pass on the pristine source) and
+PASS_TO_PASS tests (the other fast, passing tests of the same test modules). `origin` says whether
+the bug is real (a fix released between two versions, reversed; `source` names it) or injected.
+Difficulty: 0 = a one-line slip, 1 = a few lines of one function, 2 = a logic bug across
+functions. `data/codebase/build.py` computed the test lists.
 
 Episode: the workspace (env.workdir) holds the repository at the bugged state as a git repo, with
 the FAIL_TO_PASS test functions cut out of its test files. Every action is a shell command run
@@ -22,8 +23,9 @@ there (output capped), or `submit`. Grading copies the agent's package directory
 directory holding the pristine, complete test files and runs FAIL_TO_PASS + PASS_TO_PASS there.
 Resolution is SWE-bench's: every FAIL_TO_PASS test passes and every PASS_TO_PASS test still
 passes; a missing package, an error or a timeout is unresolved. (PASS_TO_PASS runs only once
-every FAIL_TO_PASS test passes: it cannot change the verdict otherwise, and it is the slow part.) Rewards (paid by the `submit`
-step; 40 steps at most, running out pays 0):
+every FAIL_TO_PASS test passes: it cannot change the verdict otherwise, and it is the slow part.)
+Rewards (paid by the `submit` step; 40 steps at most, running out pays 0; rollout.py shows the
+turns left):
 - codebase: `1 - (solved_step - 1) / 40` if resolved else 0 (the RIME benchmark's reward);
 - coding: 1 if resolved else 0 (CAMG's success).
 env.info: resolved, success, f2p_frac (fraction of FAIL_TO_PASS passing), solved_step.
@@ -53,6 +55,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -220,6 +223,17 @@ def apply_edits(root: Path, edits: list[dict]) -> None:
         path.write_text(text.replace(e["old"], e["new"]))
 
 
+_AST_LOCK = threading.Lock()
+
+
+def parse_python(text: str) -> ast.Module:
+    """ast.parse under a lock: some CPython releases (3.11.7 among them) can fail with "SystemError:
+    AST constructor recursion depth mismatch" when two threads parse at once, and rollout.py resets
+    many environments in threads."""
+    with _AST_LOCK:
+        return ast.parse(text)
+
+
 def hide_tests(root: Path, test_ids: list[str]) -> None:
     """Cut the given test functions (with their decorators) out of the test files under root."""
     by_file = {}
@@ -243,7 +257,7 @@ def hide_tests(root: Path, test_ids: list[str]) -> None:
                 mine[0][2] = " " * body[0].col_offset + "pass\n"
             cut.extend(mine)
 
-        visit(ast.parse("".join(lines)).body, (), None)
+        visit(parse_python("".join(lines)).body, (), None)
         # bottom-up, so that every range still points at the original lines when it is cut
         for first, last, replacement in sorted(cut, reverse=True):
             lines[first - 1:last] = [replacement] if replacement else []
@@ -389,6 +403,9 @@ def _clean_action(action) -> str:
     if text.startswith("```"):  # a fenced ```bash block (RIME's actor format) is accepted too
         text = text.split("\n", 1)[1] if "\n" in text else ""
         text = text.rsplit("```", 1)[0].strip()
+    for prefix in ("shell_command:", "shell:"):   # the CAMG envs' shell form (rollout's reset protocol uses it)
+        if text.startswith(prefix):
+            text = text[len(prefix):].strip()
     return text
 
 

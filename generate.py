@@ -120,11 +120,14 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
 # prefill
 
 
-def prefill(model, prompts: list[list[int]], cache_len: int, token_budget: int, device, max_padding=0.1):
-    """Run the (length-sorted) prompts through the model in right-padded micro-batches.
+def prefill(model, prompts: list[list[int]], cache_len: int, token_budget: int, device,
+            prefixes: list[Prefix] | None = None, max_padding: float = 0.1):
+    """Run the prompts through the model in right-padded micro-batches; prompts ascend in length.
 
     cache_len: slots per row of the cache (prompt + completion); token_budget: most padded tokens per
     micro-batch (bounds activation memory); max_padding: most padding per micro-batch, as a fraction.
+    prefixes: continue these saved states instead of starting fresh; prompts[i] then holds only the
+    tokens after prefixes[i]. Their caches are copied (Cache.cat), so a caller's Prefix stays reusable.
     Returns (cache holding every row in `prompts` order, logits at each row's last prompt token (B, V))."""
     caches, last_logits = [], []
     start = 0
@@ -144,37 +147,16 @@ def prefill(model, prompts: list[list[int]], cache_len: int, token_budget: int, 
         for r, p in enumerate(rows):                          # never lets a real token see a pad
             ids[r, : len(p)] = torch.tensor(p)
         lengths = torch.tensor([len(p) for p in rows], device=device)
-        cache = model.new_cache(len(rows), cache_len, device=device)
+        if prefixes is None:
+            cache = model.new_cache(len(rows), cache_len, device=device)
+        else:
+            cache = type(prefixes[start].cache).cat([pf.cache for pf in prefixes[start:end]])
         # last_only: the lm_head runs only at each row's last real token, the one that predicts token 1
         logits = model(ids.to(device), cache=cache, lengths=lengths, last_only=True)[:, -1]  # (b, V)
         caches.append(cache)
         last_logits.append(logits.float())
         start = end
     cache = caches[0] if len(caches) == 1 else type(caches[0]).cat(caches)  # rows in `prompts` order
-    return cache, torch.cat(last_logits, dim=0)
-
-
-def extend(model, prefixes: list[Prefix], rests: list[list[int]], token_budget: int, device):
-    """Continue saved prefixes with the rest of their prompts, in right-padded micro-batches. The
-    prefixes' caches are copied (Cache.cat), so a caller's Prefix can be reused."""
-    caches, last_logits = [], []
-    start = 0
-    while start < len(rests):
-        end = start + 1
-        while end < len(rests) and (end + 1 - start) * max(len(r) for r in rests[start:end + 1]) <= token_budget:
-            end += 1
-        rows = rests[start:end]
-        T = max(len(r) for r in rows)
-        ids = torch.zeros(len(rows), T, dtype=torch.long)
-        for r, p in enumerate(rows):
-            ids[r, : len(p)] = torch.tensor(p)
-        cache = type(prefixes[start].cache).cat([p.cache for p in prefixes[start:end]])
-        lengths = torch.tensor([len(p) for p in rows], device=device)
-        logits = model(ids.to(device), cache=cache, lengths=lengths, last_only=True)[:, -1]
-        caches.append(cache)
-        last_logits.append(logits.float())
-        start = end
-    cache = caches[0] if len(caches) == 1 else type(caches[0]).cat(caches)
     return cache, torch.cat(last_logits, dim=0)
 
 
@@ -210,7 +192,8 @@ def generate(
     assert len(prefixes) == len(prompts), f"{len(prefixes)} prefixes for {len(prompts)} prompts"
     for i, pf in enumerate(prefixes):
         if pf is not None and not 0 < pf.num_tokens < len(prompts[i]):
-            raise ValueError(f"prefix {i} holds {pf.num_tokens} tokens: the prompt ({len(prompts[i])} tokens) must extend it")
+            raise ValueError(f"prefix {i} holds {pf.num_tokens} tokens: the prompt ({len(prompts[i])} tokens) "
+                             f"must extend it")
     if sync_every is None:
         sync_every = 1 if device.type == "cpu" else 8
     if keep_prefix:
@@ -238,8 +221,8 @@ def generate(
     if fresh:
         parts.append(prefill(model, [list(prompts[i]) for i in fresh], cache_len, prefill_token_budget, device))
     if cont:
-        parts.append(extend(model, [prefixes[i] for i in cont], [list(prompts[i][prefixes[i].num_tokens:]) for i in cont],
-                            prefill_token_budget, device))
+        parts.append(prefill(model, [list(prompts[i][prefixes[i].num_tokens:]) for i in cont], cache_len,
+                             prefill_token_budget, device, prefixes=[prefixes[i] for i in cont]))
     order = fresh + cont
     cache = parts[0][0] if len(parts) == 1 else type(parts[0][0]).cat([p[0] for p in parts])
     logits = torch.cat([p[1] for p in parts], dim=0)

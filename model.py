@@ -686,8 +686,9 @@ I will now check the configuration, compare the results, and report the numbers 
 """
 
 
-def build_tokenizer(vocab_size: int = 1024):
-    """Byte-level BPE trained deterministically on TOKENIZER_TEXT, with ChatML specials; no network."""
+def build_tokenizer(vocab_size: int = 1024, extra_text: str = ""):
+    """Byte-level BPE trained deterministically on TOKENIZER_TEXT (+ extra_text, e.g. a domain's
+    observations, so they take fewer tokens), with ChatML specials; no network."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     tok = Tokenizer(models.BPE())
@@ -695,14 +696,15 @@ def build_tokenizer(vocab_size: int = 1024):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([TOKENIZER_TEXT] * 4, trainer=trainer)
+    tok.train_from_iterator([TOKENIZER_TEXT] * 4 + ([extra_text] if extra_text else []), trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    chat_template=CHAT_TEMPLATE, model_max_length=4096)
 
 
-def tiny(arch: str = "qwen3_5", seed: int = 0, **overrides):
-    """A small seeded random model (~1M parameters) and the offline tokenizer; overrides set ModelConfig fields."""
-    tokenizer = build_tokenizer()
+def tiny(arch: str = "qwen3_5", seed: int = 0, tokenizer=None, **overrides):
+    """A small seeded random model (~1M parameters) and the offline tokenizer (or the given one, e.g.
+    build_tokenizer(extra_text=...)); overrides set ModelConfig fields."""
+    tokenizer = tokenizer or build_tokenizer()
     defaults = dict(arch=arch, vocab_size=len(tokenizer), hidden_size=128, num_layers=4, num_heads=4,
                     num_kv_heads=2, head_dim=32, intermediate_size=384, max_seq_len=4096,
                     tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,

@@ -511,11 +511,12 @@ class Learner:
         """One optimizer step: accumulate gradients over micro-batches, clip, check, step."""
         world = self.d.world_size
         use_values = self.policy.value_head is not None and batch.returns is not None and self.vf_coef > 0
-        use_ref = self.ref_model is not None and self.kl_coef > 0
         sft_mask = batch.sft_mask if batch.sft_mask is not None else torch.zeros_like(batch.loss_mask)
         # global denominators: the token mean is over the policy tokens of *all* ranks (see module docstring)
         n = _all_reduce(torch.stack([batch.loss_mask.sum(), sft_mask.sum()]).float())
         n_pol, n_sft = n[0].clamp(min=1), n[1].clamp(min=1)
+        # a pure imitation batch (warm start) has no policy tokens: no reference forward for a zero KL
+        use_ref = self.ref_model is not None and self.kl_coef > 0 and bool(n[0] > 0)
         use_sft = bool(n[1] > 0) and self.sft_coef > 0   # global, so every rank runs the same branches
         sums = {}                           # metric -> 0-dim tensor, a share of the global mean
 
@@ -593,6 +594,15 @@ class Learner:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return stats
+
+    @torch.no_grad()
+    def reset_reference(self) -> None:
+        """Make the frozen reference the current policy (e.g. after a warm start, so the KL anchors
+        RL to the warm-started weights, not the random init). Shards match shard for shard under FSDP."""
+        assert self.ref_model is not None, "reset_reference needs a Learner with ref_model"
+        ref = dict(self.ref_model.named_parameters())
+        for name, p in self.policy.model.named_parameters():
+            ref[name].copy_(p.detach())
 
     # --- weight sync ----------------------------------------------------------------------------
 

@@ -57,12 +57,12 @@ from ppo import Learner, init_distributed, make_batch, print0, teardown_distribu
 class Args:
     """RIME training. Defaults are the laptop preset; `--preset paper` sets the paper's values."""
     preset: str = "laptop"           # laptop | paper (paper: groups of 8, 6+6 streams, lr 1e-6, 40 turns, 2048-token memory)
-    model: str = "small"             # small (Qwen3.5 from tiny(), ~3M, warm-started) | tiny (smoke) | smollm2 | HF checkpoint dir
+    model: str = "small"             # small (a 1.7M Qwen3 from tiny(), warm-started) | tiny (smoke) | smollm2 | HF checkpoint dir
     env: str = "alchemy"             # alchemy | codebase
     run_dir: str = "runs/rime"       # config, metrics.jsonl, memories/, checkpoints; resumed if it exists
     resume: bool = True              # resume from run_dir's last checkpoint when there is one
     seed: int = 0
-    steps: int = 6                   # RL steps (one PPO update each)
+    steps: int = 4                   # RL steps (one PPO update each)
     streams_per_step: int = 2        # streams per step per rank; each runs group_size times
     group_size: int = 4              # GRPO group size (paper 8)
     segment: int = 3                 # tasks per curriculum block: a stream is segment easy + segment hard (paper 6)
@@ -88,7 +88,7 @@ class Args:
     memory_tokens: int = 160         # memory cap in tokens (paper 2048)
     traj_chars: int = 1200           # trajectory budget the writer sees
     micro_batch_tokens: int = 16384
-    warmstart_steps: int = -1        # max imitation steps before RL; -1 = auto (300 for small/smollm2/dirs on alchemy, 0 for tiny)
+    warmstart_steps: int = -1        # max imitation steps before RL; -1 = auto (150 for small/smollm2/dirs on alchemy, 0 for tiny)
     warmstart_threshold: float = 0.95  # held-out format validity that ends the warm start
     warmstart_lr: float = 3e-3
     warmstart_batch: int = 8         # rows per imitation step
@@ -100,7 +100,7 @@ class Args:
 
     def __post_init__(self):
         if self.warmstart_steps < 0:     # auto: the smoke model and codebase skip it
-            self.warmstart_steps = 300 if (self.model != "tiny" and self.env == "alchemy") else 0
+            self.warmstart_steps = 150 if (self.model != "tiny" and self.env == "alchemy") else 0
         if self.model == "tiny":         # the smoke run: the whole pipeline, minimal sizes
             for name, value in dict(streams_per_step=1, group_size=2, segment=1, max_turns=6,
                                     max_new_tokens=16, memory_tokens=48, eval_attempts=1).items():
@@ -137,8 +137,10 @@ def parse_args(argv=None) -> Args:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(Args):
         flag = "--" + f.name.replace("_", "-")
-        if f.type is bool or f.type == "bool":
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        if f.type is bool and f.default:      # --resume / --no-resume
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=True)
+        elif f.type is bool:                   # a switch such as --no-explore (store_true: argparse's
+            p.add_argument(flag, action="store_true")   # BooleanOptionalAction reads "--no-x" as False)
         else:
             p.add_argument(flag, type=type(f.default), default=f.default)
     return Args(**vars(p.parse_args(argv)))
@@ -151,10 +153,31 @@ def parse_args(argv=None) -> Args:
 def load_model(name: str, seed: int):
     if name == "tiny":      # the embedded test model: random weights, for smoke runs
         return tiny("qwen3_5", seed=seed, max_seq_len=8192)
-    if name == "small":     # big enough to learn the Alchemy protocol by imitation in minutes on 2 cores
-        return tiny("qwen3_5", seed=seed, hidden_size=192, num_layers=4, intermediate_size=512,
+    if name == "small":     # big enough to learn the Alchemy protocol by imitation in minutes on 2 cores;
+        # Qwen3 rather than Qwen3.5: the DeltaNet's chunked rule in plain PyTorch trains ~2.3x slower on CPU.
+        # Its BPE also learns merges from Alchemy text, so an observation takes ~half the tokens.
+        from model import build_tokenizer
+        tok = build_tokenizer(2048, extra_text=_domain_text())
+        return tiny("qwen3", seed=seed, tokenizer=tok, hidden_size=192, num_layers=4, intermediate_size=512,
                     max_seq_len=8192)
     return load(name), load_tokenizer(name)
+
+
+def _domain_text() -> str:
+    """Deterministic sample of what the small model will read and write: scripted Alchemy episodes
+    (observations, actions, memories) and the role prompts; the tokenizer's merges are trained on it."""
+    from alchemy import memory_text
+    env = envs.make("alchemy", num_trials=1, seed=99)
+    parts = [rollout.ACTOR_SYSTEM, rollout.WRITER_SYSTEM, rollout.MEMORY_HEADER]
+    for task in env.tasks("train")[::9][:40]:
+        policy, obs, done = env.reference_policy(task), env.reset(task), False
+        parts.append(obs)
+        while not done:
+            action = policy(obs)
+            obs, _, done = env.step(action)
+            parts += [f"<action>{action}</action>", obs]
+        parts.append(memory_text(policy.knowledge, task.id, env.info.get("score", 0.0)))
+    return "\n".join(parts)
 
 
 def make_judge(args: Args, tokenizer):
@@ -214,7 +237,7 @@ def evaluate(model, tokenizer, env, stream, args: Args, writer_model=None) -> di
 # warm start: imitation rows from the scripted actor and writer, through the rollout protocol
 
 
-def expert_rows(tokenizer, env, tasks, num_streams, segment, seed):
+def expert_rows(tokenizer, env, tasks, num_streams, segment, seed, traj_chars):
     """Scripted streams rendered exactly as rollouts are: actor rows from run_scripted (loss mask on
     the agent's tokens) and writer rows = the writer prompt rollout.write_memory builds + the
     scripted memory (alchemy.memory_text of what the reference actor inferred)."""
@@ -230,7 +253,7 @@ def expert_rows(tokenizer, env, tasks, num_streams, segment, seed):
         for i, (ep, pol) in enumerate(zip(eps, pols)):
             rows += [(r.tokens, r.loss_mask) for r in ep.rows()]
             new = memory_text(pol.knowledge, ep.task.id, ep.score)
-            prompt = fmt.prompt(rollout.WRITER_SYSTEM, rollout.writer_prompt(ep, memories[i], 10**9))
+            prompt = fmt.prompt(rollout.WRITER_SYSTEM, rollout.writer_prompt(ep, memories[i], traj_chars))
             target = fmt.encode(new) + [fmt.end_id]
             rows.append((prompt + target, [0] * len(prompt) + [1] * len(target)))
             memories[i] = new
@@ -254,7 +277,8 @@ def warm_start(learner, tokenizer, env, args: Args, log) -> dict:
     if before >= args.warmstart_threshold:
         print0(f"warm start skipped: format validity {before:.2f} >= {args.warmstart_threshold}")
         return {"validity_before": before, "validity_after": before, "steps": 0}
-    rows = expert_rows(tokenizer, env, env.tasks("train"), args.warmstart_streams, args.segment, args.seed)
+    rows = expert_rows(tokenizer, env, env.tasks("train"), args.warmstart_streams, args.segment, args.seed,
+                       args.traj_chars)
     print0(f"warm start: {len(rows)} expert rows, {sum(len(r[0]) for r in rows)} tokens; validity {before:.2f}")
     rng = random.Random(args.seed)
     for g in learner.optimizer.param_groups:
@@ -330,6 +354,9 @@ def rl_rows(outs, groups_of, args: Args, writer_prompt_text: str):
 
 
 def batch_of(rows, version):
+    # every rank must join every update (FSDP collectives): a rank whose groups were all dropped
+    # joins with one empty row (mask 0), which contributes nothing to the global token mean
+    rows = rows or [([0, 0], [0, 0], [0.0, 0.0], 0.0)]
     return make_batch([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows],
                       versions=[version] * len(rows))
 
@@ -361,17 +388,23 @@ def main(argv=None):
     # --- setup: model, learner(s), environment, judge
     t_start = time.time()
     model, tokenizer = load_model(args.model, args.seed)
-    env = envs.make(args.env)
+    # the laptop preset plays one Alchemy trial per task (the paper's episodes are longer): short rows
+    env = envs.make(args.env, **({"num_trials": 1} if args.env == "alchemy" and args.preset == "laptop" else {}))
     train_tasks = env.tasks("train")
     judge = make_judge(args, tokenizer)
+    # activation checkpointing pays off on GPUs with real models; on CPU small models it only recomputes
     learner = Learner(model, ref_model=copy.deepcopy(model), lr=args.lr, clip_low=args.clip_low,
                       clip_high=args.clip_high, kl_coef=args.kl_coef, micro_batch_tokens=args.micro_batch_tokens,
-                      dist_info=d)
+                      gradient_checkpointing=d.device.type == "cuda", dist_info=d)
     stream = eval_stream(env, args)
     state = {"step": 0, "warm": None, "eval_before": None}
-    if args.resume and os.path.isdir(ckpt):
+    # a checkpoint is complete once DCP wrote its .metadata; every rank decides before any rank
+    # saves, or a fast rank's first save could make a slow rank "resume" from a half-written one
+    if args.resume and os.path.exists(os.path.join(ckpt, ".metadata")):
         state = learner.load(ckpt)
         print0(f"resumed from {ckpt} at RL step {state['step']}")
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
 
     # --- warm start (imitation), then the evaluation before RL
     if state["warm"] is None:
@@ -379,16 +412,19 @@ def main(argv=None):
         if d.is_main and state["warm"].get("steps"):
             save(learner.gen_model, tokenizer, os.path.join(args.run_dir, "warmstart"))
             print0(f"warm-started weights saved to {args.run_dir}/warmstart (rerun RL with --model it --warmstart-steps 0)")
+    if state["warm"].get("steps"):
+        learner.reset_reference()   # the KL anchors RL to the warm-started policy (not checkpointed: redone on resume)
     # the frozen writer is the weights RL starts from; the decoupled writer trains its own copy
     writer_learner = None
     writer_model = None
     if args.writer == "frozen":
         writer_model = copy.deepcopy(learner.gen_model)
     elif args.writer == "decoupled":
-        wm = copy.deepcopy(learner.gen_model)
+        wm = copy.deepcopy(learner.gen_model).float().requires_grad_(True)   # the generation copy is frozen (bf16 on GPU)
         writer_learner = Learner(wm, ref_model=copy.deepcopy(wm), lr=args.lr, clip_low=args.clip_low,
                                  clip_high=args.clip_high, kl_coef=args.kl_coef,
-                                 micro_batch_tokens=args.micro_batch_tokens, dist_info=d)
+                                 micro_batch_tokens=args.micro_batch_tokens,
+                                 gradient_checkpointing=d.device.type == "cuda", dist_info=d)
         writer_model = writer_learner.gen_model
     if state["eval_before"] is None:
         state["eval_before"] = evaluate(learner.gen_model, tokenizer, env, stream, args, writer_model) if d.is_main else {}
@@ -409,14 +445,11 @@ def main(argv=None):
                                    memory_tokens=args.memory_tokens, traj_chars=args.traj_chars)
         t_roll = time.time() - t0
         actor, writer, parts = rl_rows(outs, groups_of, args, rollout.WRITER_SYSTEM)
-        stats = {}
-        if args.writer == "decoupled":
-            if actor:
-                stats = learner.update(batch_of(actor, learner.version))
-            if writer:
-                wstats = writer_learner.update(batch_of(writer, writer_learner.version))
-                stats.update({f"writer_{k}": v for k, v in wstats.items()})
-        elif actor or writer:
+        if args.writer == "decoupled":      # two sets of weights, each trained on its own role's rows
+            stats = learner.update(batch_of(actor, learner.version))
+            wstats = writer_learner.update(batch_of(writer, writer_learner.version))
+            stats.update({f"writer_{k}": v for k, v in wstats.items()})
+        else:                               # shared weights: one PPO step on both roles' tokens
             stats = learner.update(batch_of(actor + writer, learner.version))
         row = {"phase": "rl", "step": step + 1, "rollout_s": t_roll, "step_s": time.time() - t0, **parts, **stats}
         log(row)

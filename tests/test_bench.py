@@ -51,8 +51,8 @@ def test_table_marks_published_rows_and_failures():
 
 
 def test_bad_config_gets_a_clear_error(tmp_path):
-    for argv, msg in ((["--streams", "nope"], "unknown stream"), (["--policy", str(tmp_path / "none")], "checkpoint dir"),
-                      (["--attempts", "0"], "--attempts"), (["--api", "http://x"], "go together")):
+    for argv, msg in ((["--streams", "nope"], "unknown stream"), (["--attempts", "0"], "--attempts"),
+                      (["--policy", str(tmp_path / "none")], "checkpoint dir"), (["--api", "http://x"], "go together")):
         with pytest.raises(SystemExit, match=msg):
             bench.main(argv)
 
@@ -88,6 +88,57 @@ def test_resume_after_interruption_reruns_nothing_done(tmp_path, monkeypatch):
     assert (cells[0].reward, cells[0].gain, cells[0].counted) == (full[0].reward, full[0].gain, 3)
     again, resets[:] = bench.main(argv), []
     assert resets == [] and again[0].reward == cells[0].reward
+
+
+# ----------------------------------------------------------------------------- file memory (CAMG)
+
+class NoteEnv:
+    """A one-step task that scores 1 when an earlier task left `.agent_memory/note.md`, else 0.5."""
+    max_steps = 1
+
+    def __init__(self):
+        self.files, self.info = {}, {}
+
+    def reset(self, task):
+        return f"Task {task.id}."
+
+    def step(self, action):
+        score = 1.0 if "note.md" in self.files else 0.5
+        self.files["note.md"] = "the answer is 42"
+        return "done", score, True
+
+    def reference_policy(self, task):
+        return lambda obs: "read the note"
+
+    def memory_files(self):
+        return dict(self.files)
+
+    def set_memory_files(self, files):
+        self.files = dict(files)
+
+    def clone(self):
+        return NoteEnv()
+
+    def close(self):
+        pass
+
+
+def test_file_memory_kept_with_memory_and_blanked_from_scratch(tmp_path):
+    from envs import Task
+    tasks = [Task(id=f"notes/{i}", env="notes", difficulty=0, group="g", split="test") for i in range(3)]
+    agent = bench.Agent("scripted", "scripted", tokenizer=bench.offline_tokenizer())
+    cfg, rows = bench.Config(policy=["scripted"], attempts=2), {}
+
+    class Bar:
+        def update(self, n):
+            pass
+    with open(tmp_path / "rows.jsonl", "a") as out:
+        bench.run_cell(agent, "notes", NoteEnv(), tasks, "files", cfg, rows, out, Bar())
+    cell = bench.summarize("scripted", "notes", [t.id for t in tasks], rows, {})
+    assert cell.with_memory == [0.5, 1.0, 1.0] and cell.scratch == [0.5, 0.5, 0.5]
+    assert (cell.reward, cell.gain) == (2.5, 1.0)
+    assert rows[bench.row_key(dict(policy="scripted", stream="notes", settings={}, mode="memory", task="notes/0",
+                                   attempt=0))]["memory_files"] == {"note.md": "the answer is 42"}
 
 
 # ----------------------------------------------------------------------------- the API client
@@ -178,3 +229,14 @@ def test_scripted_end_to_end_subprocess(tmp_path):
     reward = float(line.split("|")[3])
     assert 0 < reward <= 4 and "| 4/4 | 0 |" in line
     assert "with memory" in (tmp_path / "curves.txt").read_text() and "wall time" in r.stdout
+
+
+def test_component_subcommands_print_tables(capsys):
+    bench.main(["sandbox", "--n", "5", "--parallel", "2", "--per-thread", "2"])
+    bench.main(["envs", "--which", "alchemy", "--tasks", "3"])
+    out = capsys.readouterr().out
+    assert "| latency of `true`, median of 5 (ms) |" in out and "| throughput, 2 threads x 2 (cmd/s) |" in out
+    oracle = next(l for l in out.splitlines() if l.startswith("| oracle"))
+    assert oracle.endswith("| 1.000 |"), "the oracle scores 1 on every task"
+    with pytest.raises(SystemExit, match="--models"):
+        bench.main(["engine", "--models", "gpt2"])

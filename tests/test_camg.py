@@ -5,12 +5,10 @@ Fake environments stand in where a test needs an environment that raises or a co
 `rollout.parse_action` is patched so the random tiny model's replies reach env.step() at all."""
 import copy
 import json
-import os
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -162,7 +160,8 @@ def test_bad_config_is_a_clear_error_before_work(tmp_path, capsys):
     for args, words in [(["--eta", "-1"], "--eta"), (["--env_weights", "shop=1,mall=2"], "unknown environment"),
                         (["--eval_memory", "full,forget"], "--eval_memory"),
                         (["--context_budget", "100"], "--context_budget"), (["--steps", "two"], "--steps"),
-                        (["--eval_memory", "shuffle", "--eval_tasks", "2", "--eval_stream_len", "2"], "2 or more streams")]:
+                        (["--eval_memory", "shuffle", "--eval_tasks", "2", "--eval_stream_len", "2"],
+                         "2 or more streams")]:
         with pytest.raises(SystemExit) as e:
             camg.parse_args(["--model", "tiny", "--run_dir", str(tmp_path / "x"), *args])
         err = capsys.readouterr().err

@@ -6,7 +6,6 @@ time (threads driving subprocesses), which is what keeps the file within its tim
 
 import ast
 import json
-import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -48,6 +47,10 @@ def test_task_data_and_streams():
         train = [t for t in by_repo[repo] if t.split == "train"]
         stream = curriculum.make_stream(train, order="easy_to_hard", segment=6, seed=0)
         assert len(stream) == 12 and {t.group for t in stream} == {repo}
+    train_all = [t for t in ALL_TASKS if t.split == "train"]
+    for tier in curriculum.TIERS:   # DESIGN's tiers, with the two blocks from different repositories
+        stream = curriculum.make_stream(train_all, segment=6, seed=0, tier=tier, same_group=False)
+        assert len(stream) == 12, tier
     env = make("codebase")
     try:
         train, test = env.tasks("train"), env.tasks("test")
@@ -76,7 +79,7 @@ def test_pristine_source_passes_every_task_test(repo):
 
 
 def _defined_tests(path: Path) -> set:
-    tree = ast.parse(path.read_text())
+    tree = cb.parse_python(path.read_text())
     names = set()
     for node in tree.body:
         if isinstance(node, ast.ClassDef):
@@ -263,3 +266,28 @@ def test_swebench_jsonl_loader(tmp_path):
     bad.write_text(json.dumps({"instance_id": "x"}) + "\n")
     with pytest.raises(AssertionError, match="row lacks"):
         cb.load_swebench_jsonl(bad, tmp_path)
+
+
+# ----------------------------------------------------------------------------- through rollout.py
+
+def test_coding_reference_policy_through_rollout():
+    """The scripted Coding agent through rollout.run_scripted: every task's fix action survives the
+    <action> tag and tokenisation unchanged, and two episodes resolve."""
+    from model import tiny
+    from rollout import ChatFormat, parse_action, run_scripted
+    _, tok = tiny(arch="llama", seed=0)
+    fmt = ChatFormat(tok)
+    env = make("coding")
+    try:
+        for task in env.tasks("train") + env.tasks("test"):
+            action = env.reference_policy(task)("")
+            ids = fmt.encode(f"<action>{action}</action>") + [fmt.end_id]
+            assert parse_action(tok.decode(ids, skip_special_tokens=True)) == action.strip(), task.id
+        stream = cb.test_stream("coding")
+        tasks = [stream[0], stream[-1]]
+        eps = run_scripted(tok, env, tasks, [env.reference_policy(t) for t in tasks])
+        for ep in eps:
+            assert ep.finish == "done" and ep.num_turns == 3 and ep.score == 1.0, (ep.task.id, ep.error, ep.observations[-1:])
+            assert ep.info["resolved"] and ep.actions[-1] == "submit"
+    finally:
+        env.close()

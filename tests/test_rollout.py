@@ -151,3 +151,18 @@ def test_writer_batch_and_trajectory_budget():
         assert len(s.tokens) == len(s.loss_mask) == len(s.logprobs)
         assert s.status in ("ok", "truncated", "empty")
         assert sum(s.loss_mask) <= 8
+
+
+def test_end_to_end_batches_on_alchemy():
+    """A whole batch of Alchemy episodes with the tiny model, and with the scripted reference policy."""
+    from envs import make
+    model, tok = tiny("qwen3_5", seed=0)
+    env = make("alchemy", num_trials=1)
+    tasks = env.tasks("train")[:4]
+    eps = run_episodes(model, tok, env, tasks, memory="- a note", seed=0, max_turns=3, max_new_tokens=8)
+    assert [ep.task.id for ep in eps] == [t.id for t in tasks]
+    assert all(ep.num_turns == 3 and not ep.error and len(ep.tokens) == len(ep.loss_mask) for ep in eps)
+    eps = run_scripted(tok, env, tasks, [env.reference_policy(t) for t in tasks])
+    assert all(ep.finish == "done" and ep.num_format_errors == 0 for ep in eps)
+    assert sum(ep.score for ep in eps) / len(eps) > 0.5     # the reference actor plays well
+    assert all(abs(ep.score - ep.info["score"]) < 1e-9 for ep in eps)
