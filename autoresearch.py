@@ -35,13 +35,11 @@ rows, 8 columns) so that a run takes well under a second on 2 cores; no leaderbo
 """
 
 import re
-import shutil
 
 import numpy as np
 
-from envs import Task
+from envs import MEMORY_DIR, Task, Workspace
 
-MEMORY_DIR = ".agent_memory"
 SUCCESS_THRESHOLD = 0.5
 NUM_TRAIN, NUM_VAL, NUM_TEST, NUM_COLUMNS = 1500, 500, 1000, 8
 ACTIONS_LINE = "Actions: shell: <command> | run | evaluate"
@@ -173,7 +171,7 @@ class AutoResearchEnv:
                     id=f"autoresearch/lab{g:02d}/t{k:02d}", env="autoresearch", difficulty=difficulty,
                     group=f"lab{g:02d}", split=split, data={"seed": int(seed * 100_003 + g * 1_000 + k)}))
         self._built = {}  # task id -> (files, hidden test labels, baseline, reference); built on first reset
-        self.sandbox = None
+        self.workspace = Workspace(run_timeout, obs_chars=2000, keep_tail=True, say_timeout=True)
         self.task, self.info, self.done = None, {}, True
 
     def tasks(self, split: str) -> list[Task]:
@@ -213,51 +211,28 @@ class AutoResearchEnv:
             self._built[task.id] = (files, test_y, baseline, reference)
         return self._built[task.id]
 
-    # --- workspace (files are the memory)
+    # --- workspace (files are the memory; the logic lives in envs.Workspace)
 
     @property
     def workdir(self):
-        if self.sandbox is None:
-            from sandbox import Sandbox  # imported late: listing tasks needs no shell
-            self.sandbox = Sandbox(timeout=self.run_timeout)
-            (self.sandbox.workdir / MEMORY_DIR).mkdir(exist_ok=True)
-        return self.sandbox.workdir
+        return self.workspace.workdir
 
     def memory_files(self) -> dict:
-        mem = self.workdir / MEMORY_DIR
-        return {str(p.relative_to(mem)): p.read_text(errors="replace") for p in sorted(mem.rglob("*")) if p.is_file()}
+        return self.workspace.memory_files()
 
     def set_memory_files(self, files: dict) -> None:
-        mem = self.workdir / MEMORY_DIR
-        shutil.rmtree(mem, ignore_errors=True)
-        mem.mkdir()
-        for rel, text in files.items():
-            path = (mem / rel).resolve()
-            assert path.is_relative_to(mem.resolve()), f"memory file {rel!r} escapes {MEMORY_DIR}/"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
+        self.workspace.set_memory_files(files)
 
     def close(self):
-        if self.sandbox is not None:
-            self.sandbox.close()
-            self.sandbox = None
-
-    def _shell(self, command: str) -> str:
-        r = self.sandbox.run(command, timeout=self.run_timeout)
-        out = r.output if len(r.output) <= 2000 else r.output[:1000] + "\n...[truncated]...\n" + r.output[-1000:]
-        status = f"timed out after {self.run_timeout:.0f}s" if r.timed_out else f"exit {r.exit_code}"
-        return f"$ {command}\n{out.rstrip()}\n({status})"
+        self.workspace.close()
 
     # --- episode
 
     def reset(self, task: Task) -> str:
         assert task.env == "autoresearch", f"AutoResearchEnv got a task of env {task.env!r}"
         files, self.hidden_labels, self.baseline, self.reference = self.build(task)
+        self.workspace.clear()  # a fresh copy of the task; only the memory folder carries over
         workdir = self.workdir
-        for p in workdir.iterdir():  # a fresh copy of the task; only the memory folder carries over
-            if p.name != MEMORY_DIR:
-                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-        (workdir / MEMORY_DIR).mkdir(exist_ok=True)
         for rel, text in files.items():
             (workdir / rel).parent.mkdir(parents=True, exist_ok=True)
             (workdir / rel).write_text(text)
@@ -294,10 +269,10 @@ class AutoResearchEnv:
             if not m.group(1).strip():
                 return self._invalid("Empty shell command.")
             self.info["num_shell"] += 1
-            return self._shell(m.group(1).strip())
+            return self.workspace.shell(m.group(1).strip())
         if re.fullmatch(r"run(\[\])?", action, re.I):
             self.info["num_runs"] += 1
-            return self._shell("python train.py")
+            return self.workspace.shell("python train.py")
         if re.fullmatch(r"evaluate(\[\])?|submit", action, re.I):
             return self._evaluate()
         return self._invalid(f"Unknown action {action[:80]!r}.")

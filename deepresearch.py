@@ -35,15 +35,13 @@ Simplified on purpose: templated sentences, no paraphrase or conflicting sources
 import functools
 import math
 import re
-import shutil
 import string
 from collections import Counter
 
 import numpy as np
 
-from envs import Task
+from envs import MEMORY_DIR, Task, Workspace
 
-MEMORY_DIR = ".agent_memory"
 SYLLABLES = ["ka", "vel", "dor", "mi", "ra", "tan", "sil", "bo", "ren", "gal", "thu", "lio", "fe",
              "nor", "ush", "ve", "pra", "zel", "mo", "ir", "ca", "den", "lu", "sor", "qua", "bri",
              "ost", "wen", "ya", "hal", "eb", "tor", "ni", "gar", "shu", "pel"]
@@ -241,7 +239,7 @@ class DeepResearchEnv:
         self.ents, countries, self.doc_ids, self.docs, self.bm25 = build_world(seed, num_countries, people_per_country)
         self.doc_index = {d: i for i, d in enumerate(self.doc_ids)}
         self._tasks = self._make_tasks(countries, num_test_regions, tasks_per_region)
-        self.sandbox = None
+        self.workspace = Workspace(shell_timeout, obs_chars=2000)
         self.task, self.info, self.done = None, {}, True
 
     def _make_tasks(self, countries, num_test, per_region):
@@ -271,50 +269,26 @@ class DeepResearchEnv:
     def clone(self):
         return DeepResearchEnv(**self.config)
 
-    # --- workspace (files are the memory)
+    # --- workspace (files are the memory; the logic lives in envs.Workspace)
 
     @property
     def workdir(self):
-        if self.sandbox is None:
-            from sandbox import Sandbox  # imported late: building tasks needs no shell
-            self.sandbox = Sandbox(timeout=self.shell_timeout)
-            (self.sandbox.workdir / MEMORY_DIR).mkdir(exist_ok=True)
-        return self.sandbox.workdir
+        return self.workspace.workdir
 
     def memory_files(self) -> dict:
-        mem = self.workdir / MEMORY_DIR
-        return {str(p.relative_to(mem)): p.read_text(errors="replace") for p in sorted(mem.rglob("*")) if p.is_file()}
+        return self.workspace.memory_files()
 
     def set_memory_files(self, files: dict) -> None:
-        mem = self.workdir / MEMORY_DIR
-        shutil.rmtree(mem, ignore_errors=True)
-        mem.mkdir()
-        for rel, text in files.items():
-            path = (mem / rel).resolve()
-            assert path.is_relative_to(mem.resolve()), f"memory file {rel!r} escapes {MEMORY_DIR}/"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
+        self.workspace.set_memory_files(files)
 
     def close(self):
-        if self.sandbox is not None:
-            self.sandbox.close()
-            self.sandbox = None
-
-    def _shell(self, command: str) -> str:
-        r = self.sandbox.run(command)
-        out = r.output if len(r.output) <= 2000 else r.output[:2000] + "\n...[truncated]"
-        status = "timed out" if r.timed_out else f"exit {r.exit_code}"
-        return f"$ {command}\n{out.rstrip()}\n({status})"
+        self.workspace.close()
 
     # --- episode
 
     def reset(self, task: Task) -> str:
         assert task.env == "deepresearch", f"DeepResearchEnv got a task of env {task.env!r}"
-        workdir = self.workdir
-        for p in workdir.iterdir():  # only the memory folder carries over between tasks
-            if p.name != MEMORY_DIR:
-                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-        (workdir / MEMORY_DIR).mkdir(exist_ok=True)
+        self.workspace.clear()  # only the memory folder carries over between tasks
         self.task, self.done, self.steps = task, False, 0
         self.info = {"success": False, "em": 0.0, "f1": 0.0, "hops": len(task.data["path"]), "steps": 0,
                      "num_shell": 0, "num_invalid": 0}
@@ -346,7 +320,7 @@ class DeepResearchEnv:
             if not m.group(1).strip():
                 return self._invalid("Empty shell command.")
             self.info["num_shell"] += 1
-            return self._shell(m.group(1).strip())
+            return self.workspace.shell(m.group(1).strip())
         m = re.fullmatch(r"(search|open|answer)\[(.*)\]", action, re.S | re.I)
         if not m:
             return self._invalid(f"Unknown action {action[:80]!r}.")

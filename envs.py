@@ -24,10 +24,14 @@ The contract every environment keeps (each lives in its own file, one concept pe
   `env.workdir` (pathlib.Path) and a memory folder `.agent_memory/` inside it that survives
   `reset()` on the same instance, so files written in one task of a stream are there for the next.
   `memory_files()` returns it as {relative path: text}; `set_memory_files(files)` replaces it
-  (blanking and shuffling memory for the ablations go through these two).
+  (blanking and shuffling memory for the ablations go through these two). `Workspace` below
+  implements this once for the shell envs.
 """
 
+import shutil
 from dataclasses import dataclass, field
+
+MEMORY_DIR = ".agent_memory"
 
 ENV_NAMES = ("alchemy", "codebase", "shop", "coding", "deepresearch", "autoresearch")
 
@@ -40,6 +44,68 @@ class Task:
     group: str              # what transfers inside a stream: an Alchemy world, a repository, a shopper
     split: str              # "train" | "test"
     data: dict = field(default_factory=dict)  # env-specific payload; JSON-serialisable
+
+
+class Workspace:
+    """The shell workspace of one env instance: a sandbox whose `.agent_memory/` survives `clear()`.
+
+    The sandbox starts on the first use of `workdir` (listing tasks needs no shell). `shell(cmd)`
+    gives the agent's view of a command: `$ cmd`, its output capped at `obs_chars` (the head, or the
+    head and tail halves if `keep_tail`), then `(exit N)` or `(timed out)` (`(timed out after Ns)` if
+    `say_timeout`)."""
+
+    def __init__(self, timeout: float, obs_chars: int = 2000, keep_tail: bool = False, say_timeout: bool = False):
+        self.timeout, self.obs_chars, self.keep_tail, self.say_timeout = timeout, obs_chars, keep_tail, say_timeout
+        self.sandbox = None
+
+    @property
+    def workdir(self):
+        if self.sandbox is None:
+            from sandbox import Sandbox  # imported late: building tasks needs no shell
+            self.sandbox = Sandbox(timeout=self.timeout)
+            (self.sandbox.workdir / MEMORY_DIR).mkdir(exist_ok=True)
+        return self.sandbox.workdir
+
+    def memory_files(self) -> dict:
+        mem = self.workdir / MEMORY_DIR
+        return {str(p.relative_to(mem)): p.read_text(errors="replace") for p in sorted(mem.rglob("*")) if p.is_file()}
+
+    def set_memory_files(self, files: dict) -> None:
+        mem = self.workdir / MEMORY_DIR
+        shutil.rmtree(mem, ignore_errors=True)
+        mem.mkdir()
+        for rel, text in files.items():
+            path = (mem / rel).resolve()
+            assert path.is_relative_to(mem.resolve()), f"memory file {rel!r} escapes {MEMORY_DIR}/"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+
+    def clear(self) -> None:
+        """Delete everything but the memory folder: a fresh workspace for the next task."""
+        workdir = self.workdir
+        for p in workdir.iterdir():
+            if p.name != MEMORY_DIR:
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        (workdir / MEMORY_DIR).mkdir(exist_ok=True)
+
+    def shell(self, command: str) -> str:
+        self.workdir  # starts the sandbox if this is the first use
+        r = self.sandbox.run(command)
+        out, n = r.output, self.obs_chars
+        if len(out) > n and self.keep_tail:  # a program's last lines (its score, its error) matter too
+            out = out[:n // 2] + "\n...[truncated]...\n" + out[-(n // 2):]
+        elif len(out) > n:
+            out = out[:n] + "\n...[truncated]"
+        if r.timed_out:
+            status = f"timed out after {self.timeout:.0f}s" if self.say_timeout else "timed out"
+        else:
+            status = f"exit {r.exit_code}"
+        return f"$ {command}\n{out.rstrip()}\n({status})"
+
+    def close(self) -> None:
+        if self.sandbox is not None:
+            self.sandbox.close()
+            self.sandbox = None
 
 
 def make(name: str, **kwargs):

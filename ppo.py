@@ -659,6 +659,7 @@ def _single_process_quiet():
     """DCP warns on every call without a process group; in one process that is the intent."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings("ignore", message="Detected an existing checkpoint")  # overwriting is the intent
         yield
 
 

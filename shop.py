@@ -41,15 +41,13 @@ by both splits (the shoppers are split, not the products); no human instructions
 import functools
 import math
 import re
-import shutil
 from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 
-from envs import Task
+from envs import MEMORY_DIR, Task, Workspace
 
-MEMORY_DIR = ".agent_memory"
 SIZES = ["xs", "s", "m", "l", "xl"]
 COLORS = ["black", "white", "blue", "red", "green", "grey", "navy", "beige", "pink", "yellow"]
 BRANDS = ["norvik", "alder", "brightline", "cobalt", "duneway", "everpeak", "fjordy", "granite",
@@ -229,7 +227,7 @@ class ShopEnv:
         self.products, self.bm25 = build_catalogue(seed, num_products)
         self.by_id = {p.id: p for p in self.products}
         self._tasks = self._make_tasks(num_train_shoppers, num_test_shoppers, tasks_per_shopper)
-        self.sandbox = None
+        self.workspace = Workspace(shell_timeout, obs_chars=1500)
         self.task, self.info, self.done = None, {}, True
 
     def _make_tasks(self, num_train, num_test, per_shopper):
@@ -253,50 +251,26 @@ class ShopEnv:
     def clone(self):
         return ShopEnv(**self.config)
 
-    # --- workspace (files are the memory)
+    # --- workspace (files are the memory; the logic lives in envs.Workspace)
 
     @property
     def workdir(self):
-        if self.sandbox is None:
-            from sandbox import Sandbox  # imported late: building tasks needs no shell
-            self.sandbox = Sandbox(timeout=self.shell_timeout)
-            (self.sandbox.workdir / MEMORY_DIR).mkdir(exist_ok=True)
-        return self.sandbox.workdir
+        return self.workspace.workdir
 
     def memory_files(self) -> dict:
-        mem = self.workdir / MEMORY_DIR
-        return {str(p.relative_to(mem)): p.read_text(errors="replace") for p in sorted(mem.rglob("*")) if p.is_file()}
+        return self.workspace.memory_files()
 
     def set_memory_files(self, files: dict) -> None:
-        mem = self.workdir / MEMORY_DIR
-        shutil.rmtree(mem, ignore_errors=True)
-        mem.mkdir()
-        for rel, text in files.items():
-            path = (mem / rel).resolve()
-            assert path.is_relative_to(mem.resolve()), f"memory file {rel!r} escapes {MEMORY_DIR}/"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
+        self.workspace.set_memory_files(files)
 
     def close(self):
-        if self.sandbox is not None:
-            self.sandbox.close()
-            self.sandbox = None
-
-    def _shell(self, command: str) -> str:
-        r = self.sandbox.run(command)
-        out = r.output if len(r.output) <= 1500 else r.output[:1500] + "\n...[truncated]"
-        status = "timed out" if r.timed_out else f"exit {r.exit_code}"
-        return f"$ {command}\n{out.rstrip()}\n({status})"
+        self.workspace.close()
 
     # --- episode
 
     def reset(self, task: Task) -> str:
         assert task.env == "shop", f"ShopEnv got a task of env {task.env!r}"
-        workdir = self.workdir
-        for p in workdir.iterdir():  # a fresh page for the task; only the memory folder carries over
-            if p.name != MEMORY_DIR:
-                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-        (workdir / MEMORY_DIR).mkdir(exist_ok=True)
+        self.workspace.clear()  # a fresh page for the task; only the memory folder carries over
         self.task, self.goal, self.done, self.steps = task, task.data["goal"], False, 0
         self.page, self.results, self.result_page, self.item, self.selected = "search", [], 0, None, {}
         self.info = {"success": False, "reward": 0.0, "steps": 0, "num_shell": 0, "num_invalid": 0}
@@ -328,7 +302,7 @@ class ShopEnv:
             if not m.group(1).strip():
                 return self._invalid("Empty shell command.")
             self.info["num_shell"] += 1
-            return self._shell(m.group(1).strip())
+            return self.workspace.shell(m.group(1).strip())
         m = re.fullmatch(r"search\[(.*)\]", action, re.S | re.I)
         if m:
             if not tokenize(m.group(1)):
