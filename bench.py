@@ -34,9 +34,10 @@ counts only when its with-memory run and at least one from-scratch attempt succe
 
 Sizing the default (`python bench.py`, printed with its wall time at the end): SmolLM2-135M gets 4 turns
 of 32 tokens per task, a 96-token writer, 2 from-scratch attempts (the paper averages 4: --attempts 4),
-1 torch thread and 8 episodes at a time. Measured on this project's 2-core CPU while other jobs shared it
-(load 4-7): 480 s in all (SmolLM2: 330 s with memory, 145 s from scratch; scripted: 10 s). SmolLM2 as
-shipped never emits an `<action>` tag, so it scores 0 both ways: the row a trained checkpoint improves on.
+1 torch thread and 8 episodes at a time. Measured on this project's 2-core CPU, shared with other jobs:
+299 s in all at load ~2 (SmolLM2: 217 s with memory, 74 s from scratch; scripted: 2 s, plus loading),
+480 s at load 4-7. SmolLM2 as shipped never emits an `<action>` tag, so it scores 0 both ways: the row
+a trained checkpoint has to improve on.
 """
 
 import argparse

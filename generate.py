@@ -150,7 +150,7 @@ def prefill(model, prompts: list[list[int]], cache_len: int, token_budget: int, 
         if prefixes is None:
             cache = model.new_cache(len(rows), cache_len, device=device)
         else:
-            cache = type(prefixes[start].cache).cat([pf.cache for pf in prefixes[start:end]])
+            cache = type(prefixes[start].cache).cat([pf.cache.resized(cache_len) for pf in prefixes[start:end]])
         # last_only: the lm_head runs only at each row's last real token, the one that predicts token 1
         logits = model(ids.to(device), cache=cache, lengths=lengths, last_only=True)[:, -1]  # (b, V)
         caches.append(cache)
@@ -177,14 +177,15 @@ def generate(
     sync_every: int | None = None,     # decode steps between host read-backs; None: 1 on CPU, 8 on CUDA
     prefixes: list | None = None,      # per prompt: a Prefix of it from an earlier call, or None
     keep_prefix: bool = False,         # return each row's state in Completion.prefix, to continue it later
-    cache_len: int | None = None,      # cache slots per row (default: the longest prompt + max_new_tokens)
+    cache_len: int | None = None,      # min cache slots per row (default: longest prompt + max_new_tokens, rounded up)
 ) -> list[Completion]:
     """Generate a completion for every prompt (a list of token ids; prompts may differ in length).
 
     max_new_tokens: one int for all prompts, or one per prompt. Returns one Completion per prompt, in order.
     Multi-turn use: with keep_prefix=True each Completion carries a Prefix; pass it (in `prefixes`)
     with the next, longer prompt that starts with prompt + completion, and only the new tokens are
-    prefilled. All prefixes of one call must share cache_len (pass the same cache_len each time)."""
+    prefilled. Saved caches grow as needed (Cache.resized), so a long conversation never reserves
+    the whole context up front."""
     max_new = _check_inputs(model, prompts, max_new_tokens, temperature, top_p)
     stop = {int(t) for t in stop_token_ids}
     device = next(model.parameters()).device
@@ -209,11 +210,10 @@ def generate(
     # --- prefill: shortest prompts first, so each micro-batch holds prompts of similar length;
     # prompts continuing a saved prefix only prefill their new tokens
     need = max(len(p) + m for p, m in zip(prompts, max_new))   # the longest any row can grow
-    saved = {pf.cache.max_seq_len for pf in prefixes if pf is not None}
-    assert len(saved) <= 1, "all prefixes of one call must share cache_len"
-    cache_len = cache_len or (saved.pop() if saved else need)
-    if need > cache_len:
-        raise ValueError(f"a prompt + max_new_tokens needs {need} cache slots, cache_len is {cache_len}")
+    # one slot count for the whole batch (rows are concatenated): at least what any row needs and
+    # any saved cache holds, rounded up to 256 so a growing conversation rarely reallocates
+    saved = max((pf.cache.max_seq_len for pf in prefixes if pf is not None), default=0)
+    cache_len = max(cache_len or 0, saved, -(-need // 256) * 256)
     fresh = sorted((i for i in range(len(prompts)) if prefixes[i] is None), key=lambda i: len(prompts[i]))
     cont = sorted((i for i in range(len(prompts)) if prefixes[i] is not None),
                   key=lambda i: len(prompts[i]) - prefixes[i].num_tokens)

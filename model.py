@@ -205,6 +205,19 @@ class Cache:
             setattr(out, name, [None if t is None else t[idx] for t in getattr(self, name)])
         return out
 
+    def resized(self, max_seq_len: int) -> "Cache":
+        """This cache with room for max_seq_len tokens per row (a padded copy; self if it fits already).
+        Multi-turn rollouts grow a saved cache turn by turn instead of reserving the whole context."""
+        if max_seq_len <= self.max_seq_len:
+            return self
+        out = self.take(torch.arange(len(self.seqlens), device=self.seqlens.device))
+        pad = max_seq_len - self.max_seq_len
+        for name in ("k", "v"):   # [B, S, H, D]: more slots at the end of dim 1
+            setattr(out, name, [None if t is None else torch.nn.functional.pad(t, (0, 0, 0, 0, 0, pad))
+                                for t in getattr(out, name)])
+        out.max_seq_len = max_seq_len
+        return out
+
     @staticmethod
     def cat(caches: list) -> "Cache":
         """Concatenate the rows of caches with the same layers and max_seq_len into one."""

@@ -193,7 +193,7 @@ def run_episodes(model, tokenizer, env, tasks, memory="", temperature=1.0, seed=
                     for ep in live_eps]
         outs = generate(model, [ep.tokens for ep in live_eps], max_new_tokens, temperature=temperature,
                         top_p=top_p, stop_token_ids=fmt.eos_ids, seed=None if seed is None else seed * 1000003 + step,
-                        prefixes=prefixes, keep_prefix=True, cache_len=context_budget)
+                        prefixes=prefixes, keep_prefix=True)
         for ep, o in zip(live_eps, outs):
             saved[id(ep)] = (ep.num_resets, o.prefix)
         return [(o.tokens, o.logprobs, o.finish_reason == "stop") for o in outs]
