@@ -62,7 +62,7 @@ import torch.multiprocessing
 from tqdm import tqdm
 
 import envs
-from ppo import Dist, Learner, fresh_rows, init_distributed, make_batch, print0
+from ppo import Dist, Learner, checkpoint_path, fresh_rows, init_distributed, make_batch, print0
 from rewards import gae
 from rollout import CONTINUATION_PATH, run_episodes
 
@@ -643,7 +643,8 @@ def one_line(m: dict) -> str:
 
 def learner_main(cfg: Config, d: Dist, num_spawn: int = 0, remote_workers: bool = False, make_env=envs.make):
     run_dir = Path(cfg.run_dir)
-    ckpt, resuming = run_dir / "ckpt", cfg.resume and (run_dir / "ckpt").exists()
+    ckpt = run_dir / "ckpt"
+    resuming = cfg.resume and checkpoint_path(str(ckpt)) is not None
     saved = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").exists() else {}
     if resuming and saved.get("model", cfg.model) != cfg.model:
         sys.exit(f"camg.py: {run_dir} holds a checkpoint of --model {saved['model']}, not {cfg.model}: "
@@ -762,20 +763,8 @@ def learner_main(cfg: Config, d: Dist, num_spawn: int = 0, remote_workers: bool 
 
 
 def save_checkpoint(learner: Learner, ckpt: Path, step: int) -> None:
-    """Write ckpt.tmp, then swap it in: a crash while saving leaves the previous checkpoint whole."""
-    tmp, old, d = ckpt.with_name("ckpt.tmp"), ckpt.with_name("ckpt.old"), learner.d
-    if d.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-    if d.world_size > 1:
-        torch.distributed.barrier()
-    learner.save(str(tmp), caller_state={"step": step})
-    if d.world_size > 1:
-        torch.distributed.barrier()
-    if d.is_main:
-        if ckpt.exists():
-            os.replace(ckpt, old)
-        os.replace(tmp, ckpt)
-        shutil.rmtree(old, ignore_errors=True)
+    """Learner.save writes ckpt.tmp and swaps it in: a crash while saving leaves the last one whole."""
+    learner.save(str(ckpt), caller_state={"step": step})
 
 
 # -----------------------------------------------------------------------------------------------

@@ -632,19 +632,40 @@ class Learner:
 
     def save(self, path: str, caller_state=None) -> None:
         """torch.distributed.checkpoint of model + value head, optimizer, version, this rank's RNG and
-        caller_state (any picklable: stream position, step, ...). Every rank writes its own shards."""
+        caller_state (any picklable: stream position, step, ...). Every rank writes its own shards.
+        Crash-safe: the shards go to `path.tmp`, then rank 0 swaps directories, so a run killed while
+        saving still has its previous checkpoint (`checkpoint_path` finds whichever is complete)."""
+        import shutil
         import torch.distributed.checkpoint as dcp
+        tmp, old = path + ".tmp", path + ".old"
+        many = self.d.world_size > 1 and dist.is_initialized()
+        if self.d.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if many:
+            dist.barrier()
         with _single_process_quiet():
-            dcp.save(self._dcp_state(caller_state), checkpoint_id=path, no_dist=not dist.is_initialized())
+            dcp.save(self._dcp_state(caller_state), checkpoint_id=tmp, no_dist=not dist.is_initialized())
+        if many:
+            dist.barrier()                       # every rank's shards are on disk
+        if self.d.is_main:
+            shutil.rmtree(old, ignore_errors=True)
+            if os.path.isdir(path):
+                os.rename(path, old)             # a crash from here on leaves old (or tmp) complete
+            os.rename(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        if many:
+            dist.barrier()
 
     def load(self, path: str):
         """Restore what save() wrote (the same world size, for the RNG); returns caller_state. The
         generation copy is re-synced, so generation resumes exactly where the saved run stood."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
+        found = checkpoint_path(path)
+        assert found is not None, f"no complete checkpoint at {path}"
         state = self._dcp_state()
         with _single_process_quiet():   # tensors load in place, pickled bytes are replaced
-            dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+            dcp.load(state, checkpoint_id=found, no_dist=not dist.is_initialized())
         set_state_dict(self.policy, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
         self.version = int(state["learner"]["version"])
@@ -652,6 +673,15 @@ class Learner:
         if self.gen_model is not None:
             self.sync_weights()
         return pickle.loads(state["learner"]["caller"])
+
+
+def checkpoint_path(path: str) -> str | None:
+    """The complete checkpoint saved at `path`: path itself, or the copy a crash mid-swap left
+    (path.old, then path.tmp, each complete once DCP wrote its .metadata); None if there is none."""
+    for p in (path, path + ".old", path + ".tmp"):
+        if os.path.exists(os.path.join(p, ".metadata")):
+            return p
+    return None
 
 
 @contextmanager

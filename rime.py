@@ -47,7 +47,7 @@ import judge as judges
 import rewards
 import rollout
 from model import load, load_tokenizer, save, tiny
-from ppo import Learner, init_distributed, make_batch, print0, teardown_distributed
+from ppo import Learner, checkpoint_path, init_distributed, make_batch, print0, teardown_distributed
 
 # -----------------------------------------------------------------------------
 # config
@@ -93,7 +93,8 @@ class Args:
     warmstart_lr: float = 3e-3
     warmstart_batch: int = 8         # rows per imitation step
     warmstart_streams: int = 48      # scripted streams that make the imitation data
-    eval_attempts: int = 2           # from-scratch attempts per task in the evaluation (benchmark: 4)
+    eval_attempts: int = 2           # from-scratch attempts per task when eval_temperature > 0 (benchmark: 4)
+    eval_temperature: float = 0.0    # 0 = greedy evaluation (then one from-scratch attempt is exact)
     eval_every: int = 0              # also evaluate every N RL steps (0 = only before and after)
     checkpoint_every: int = 1        # RL steps between checkpoints
     threads: int = 0                 # CPU threads per process; 0 = auto (1 for tiny/small models: their ops are too small to split)
@@ -214,15 +215,14 @@ def eval_stream(env, args: Args):
 
 def evaluate(model, tokenizer, env, stream, args: Args, writer_model=None) -> dict:
     model.eval()
-    kw = dict(temperature=0.0, max_turns=args.max_turns, max_new_tokens=args.max_new_tokens)
+    kw = dict(temperature=args.eval_temperature, max_turns=args.max_turns, max_new_tokens=args.max_new_tokens)
     with_mem = rollout.run_streams(model, tokenizer, env, [stream], writer_model=writer_model,
                                    memory_tokens=args.memory_tokens, traj_chars=args.traj_chars, seed=1, **kw)[0]
-    # from scratch: every task with empty memory; greedy attempts differ only through sampling, so
-    # attempts after the first sample at the training temperature (the benchmark's 4 attempts)
+    # from scratch: every task with empty memory, decoded exactly as the run with memory (so the
+    # first task, which has no memory yet, gains 0 by construction); greedy needs one attempt
     scratch = [[] for _ in stream]
-    for a in range(args.eval_attempts):
-        eps = rollout.run_episodes(model, tokenizer, env, stream, memory="", seed=100 + a,
-                                   **{**kw, "temperature": 0.0 if a == 0 else args.temperature})
+    for a in range(args.eval_attempts if args.eval_temperature > 0 else 1):
+        eps = rollout.run_episodes(model, tokenizer, env, stream, memory="", seed=100 + a, **kw)
         for t, ep in enumerate(eps):
             scratch[t].append(ep.score)
     m = rewards.stream_metrics(with_mem.scores, scratch)
@@ -398,9 +398,9 @@ def main(argv=None):
                       gradient_checkpointing=d.device.type == "cuda", dist_info=d)
     stream = eval_stream(env, args)
     state = {"step": 0, "warm": None, "eval_before": None}
-    # a checkpoint is complete once DCP wrote its .metadata; every rank decides before any rank
-    # saves, or a fast rank's first save could make a slow rank "resume" from a half-written one
-    if args.resume and os.path.exists(os.path.join(ckpt, ".metadata")):
+    # every rank decides before any rank saves, or a fast rank's first save could make a slow rank
+    # "resume" from a half-written one (ppo.checkpoint_path only returns complete checkpoints)
+    if args.resume and checkpoint_path(ckpt) is not None:
         state = learner.load(ckpt)
         print0(f"resumed from {ckpt} at RL step {state['step']}")
     if torch.distributed.is_initialized():
