@@ -260,23 +260,26 @@ def expert_rows(tokenizer, env, tasks, num_streams, segment, seed, traj_chars):
     return rows
 
 
-def format_validity(model, tokenizer, env, tasks, args: Args, turns=6) -> float:
-    """Share of greedy actor replies on held-out tasks that are valid actions."""
+def format_validity(model, tokenizer, env, tasks, args: Args, turns=6, with_score=False):
+    """Share of greedy actor replies on held-out tasks that are valid actions (and the mean score
+    those short episodes reach, if with_score)."""
     eps = rollout.run_episodes(model, tokenizer, env, tasks, temperature=0.0, max_turns=turns,
                                max_new_tokens=args.max_new_tokens)
     n = sum(ep.num_turns for ep in eps)
     bad = sum(ep.num_format_errors + int(ep.info.get("invalid", 0)) for ep in eps)
-    return 1.0 - bad / max(n, 1)
+    validity = 1.0 - bad / max(n, 1)
+    return (validity, sum(ep.score for ep in eps) / len(eps)) if with_score else validity
 
 
 def warm_start(learner, tokenizer, env, args: Args, log) -> dict:
     gen = learner.gen_model
     held_out = env.tasks("test")[: 8]
-    before = format_validity(gen, tokenizer, env, held_out, args)
-    log({"phase": "warmstart", "step": 0, "validity": before})
+    before, score_before = format_validity(gen, tokenizer, env, held_out, args, with_score=True)
+    log({"phase": "warmstart", "step": 0, "validity": before, "score": score_before})
     if before >= args.warmstart_threshold:
         print0(f"warm start skipped: format validity {before:.2f} >= {args.warmstart_threshold}")
-        return {"validity_before": before, "validity_after": before, "steps": 0}
+        return {"validity_before": before, "validity_after": before, "steps": 0,
+                "score_before": score_before, "score_after": score_before}
     rows = expert_rows(tokenizer, env, env.tasks("train"), args.warmstart_streams, args.segment, args.seed,
                        args.traj_chars)
     print0(f"warm start: {len(rows)} expert rows, {sum(len(r[0]) for r in rows)} tokens; validity {before:.2f}")
@@ -298,7 +301,10 @@ def warm_start(learner, tokenizer, env, args: Args, log) -> dict:
                 break
     for g in learner.optimizer.param_groups:
         g["lr"] = args.lr
-    return {"validity_before": before, "validity_after": validity, "steps": step}
+    validity, score_after = format_validity(learner.gen_model, tokenizer, env, held_out, args, with_score=True)
+    log({"phase": "warmstart", "step": step, "validity": validity, "score": score_after, "final": True})
+    return {"validity_before": before, "validity_after": validity, "steps": step,
+            "score_before": score_before, "score_after": score_after}
 
 
 def _is_main():
@@ -486,7 +492,8 @@ def main(argv=None):
             print(f"| {name} | {ev['validity']:.2f} | {ev['cumulative_reward']:.2f} | "
                   f"{ev['cumulative_scratch']:.2f} | {ev['cumulative_gain']:+.2f} |")
         if warm:
-            print(f"\nwarm start: validity {warm['validity_before']:.2f} -> {warm['validity_after']:.2f} "
+            print(f"\nwarm start: validity {warm['validity_before']:.2f} -> {warm['validity_after']:.2f}, "
+                  f"held-out score {warm['score_before']:.2f} -> {warm['score_after']:.2f} (6-turn episodes) "
                   f"in {warm['steps']} steps")
         print(f"stream of {len(stream)} tasks ({stream[0].group}); wall time {summary['wall_s'] / 60:.1f} min; "
               f"run dir {args.run_dir}")
