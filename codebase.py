@@ -60,11 +60,10 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from envs import Task
+from envs import MEMORY_DIR, Task, read_memory, write_memory
 
 ROOT = Path(__file__).resolve().parent
 DATA_DIR = ROOT / "data" / "codebase"
-MEMORY_DIR = ".agent_memory"
 MAX_STEPS = 40            # the RIME benchmark's turn budget
 COMMAND_TIMEOUT = 30.0    # seconds per agent shell command
 GRADE_TIMEOUT = 120.0     # seconds for one hidden-test run
@@ -510,18 +509,10 @@ class CodebaseEnv:
         return lambda obs: next(actions, "submit")
 
     def memory_files(self) -> dict[str, str]:
-        mem = self.workdir / MEMORY_DIR
-        return {str(p.relative_to(mem)): p.read_text(errors="replace") for p in sorted(mem.rglob("*")) if p.is_file()}
+        return read_memory(self.workdir)
 
     def set_memory_files(self, files: dict[str, str]) -> None:
-        mem = self.workdir / MEMORY_DIR
-        shutil.rmtree(mem, ignore_errors=True)
-        mem.mkdir()
-        for rel, text in files.items():
-            path = (mem / rel).resolve()
-            assert path.is_relative_to(mem.resolve()), f"memory file {rel!r} points outside {MEMORY_DIR}/"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
+        write_memory(self.workdir, files)
 
     def clone(self):
         return type(self)(**self._kwargs)

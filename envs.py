@@ -46,6 +46,24 @@ class Task:
     data: dict = field(default_factory=dict)  # env-specific payload; JSON-serialisable
 
 
+def read_memory(workdir) -> dict:
+    """The memory folder of a workspace as {path relative to .agent_memory/: text}."""
+    mem = workdir / MEMORY_DIR
+    return {str(p.relative_to(mem)): p.read_text(errors="replace") for p in sorted(mem.rglob("*")) if p.is_file()}
+
+
+def write_memory(workdir, files: dict) -> None:
+    """Replace the memory folder's contents (ablations: blank it, or give it another task's files)."""
+    mem = workdir / MEMORY_DIR
+    shutil.rmtree(mem, ignore_errors=True)
+    mem.mkdir()
+    for rel, text in files.items():
+        path = (mem / rel).resolve()
+        assert path.is_relative_to(mem.resolve()), f"memory file {rel!r} escapes {MEMORY_DIR}/"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
 class Workspace:
     """The shell workspace of one env instance: a sandbox whose `.agent_memory/` survives `clear()`.
 
@@ -67,18 +85,10 @@ class Workspace:
         return self.sandbox.workdir
 
     def memory_files(self) -> dict:
-        mem = self.workdir / MEMORY_DIR
-        return {str(p.relative_to(mem)): p.read_text(errors="replace") for p in sorted(mem.rglob("*")) if p.is_file()}
+        return read_memory(self.workdir)
 
     def set_memory_files(self, files: dict) -> None:
-        mem = self.workdir / MEMORY_DIR
-        shutil.rmtree(mem, ignore_errors=True)
-        mem.mkdir()
-        for rel, text in files.items():
-            path = (mem / rel).resolve()
-            assert path.is_relative_to(mem.resolve()), f"memory file {rel!r} escapes {MEMORY_DIR}/"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
+        write_memory(self.workdir, files)
 
     def clear(self) -> None:
         """Delete everything but the memory folder: a fresh workspace for the next task."""
