@@ -37,7 +37,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -122,9 +122,9 @@ class Args:
             (self.group_size >= 2, f"--group-size must be >= 2 for group baselines, got {self.group_size}"),
             (self.segment >= 1 and self.steps >= 0 and self.streams_per_step >= 1, "segment, streams-per-step >= 1 and steps >= 0"),
             (self.order in ("easy_to_hard", "shuffled"), f"--order must be easy_to_hard or shuffled, got {self.order!r}"),
-            (self.explore_mode in ("advantage", "reward"), f"--explore-mode must be advantage or reward"),
-            (self.writer in ("shared", "frozen", "decoupled"), f"--writer must be shared, frozen or decoupled"),
-            (self.judge in ("heuristic", "local", "openai"), f"--judge must be heuristic, local or openai"),
+            (self.explore_mode in ("advantage", "reward"), "--explore-mode must be advantage or reward"),
+            (self.writer in ("shared", "frozen", "decoupled"), "--writer must be shared, frozen or decoupled"),
+            (self.judge in ("heuristic", "local", "openai"), "--judge must be heuristic, local or openai"),
             (self.judge != "openai" or (self.judge_url and self.judge_api_model), "--judge openai needs --judge-url and --judge-api-model"),
             (self.warmstart_steps == 0 or self.env == "alchemy",
              "the warm start imitates the scripted Alchemy writer: use --warmstart-steps 0 with --env codebase"),
