@@ -333,7 +333,8 @@ def run_tests(cwd: Path, test_ids: list[str], command: str, env: dict, timeout: 
     from sandbox import Sandbox
     xml = cwd / ".rime-junit.xml"
     cmd = f"{command} -q --tb=no --junitxml={shlex.quote(str(xml))} " + " ".join(shlex.quote(t) for t in test_ids)
-    with Sandbox(timeout=timeout, workdir=cwd, env=env) as sb:
+    # the cache (test dependencies) may sit under /tmp, which a sandbox's private /tmp would hide
+    with Sandbox(timeout=timeout, workdir=cwd, env=env, ro_paths=[cache_dir()]) as sb:
         res = sb.run(cmd)
     status = {t: False for t in test_ids}
     if res.timed_out or not xml.exists():
@@ -445,7 +446,7 @@ class CodebaseEnv:
         prepare_workspace(task.data, self.workdir)
         from sandbox import Sandbox
         self._sandbox = Sandbox(timeout=self.command_timeout, workdir=self.workdir,
-                                env=agent_env(task.data, self.workdir))
+                                env=agent_env(task.data, self.workdir), ro_paths=[cache_dir()])
         self.task, self.num_steps, self.done = task, 0, False
         self.info = {"resolved": False, "success": 0.0, "f2p_frac": 0.0, "solved_step": 0}
         if kind == "native":

@@ -196,14 +196,16 @@ class Sandbox:
     def __init__(self, timeout: float = 30.0, workdir=None, network: bool = False, env: dict | None = None,
                  memory_mb: int = 4096, max_output: int = 32768, max_procs: int = 256,
                  max_file_mb: int = 512, cpu_seconds: int = 600, protect_host: bool = True,
-                 isolation: str = "auto"):
+                 isolation: str = "auto", ro_paths=()):
         """timeout: default seconds per run(); workdir: reuse this directory (kept on close) instead
         of a fresh temporary one (removed on close); network: allow network access; env: extra
         environment variables; memory_mb: memory of all processes together (per process under the
         RLIMIT_AS fallback); max_output: bytes of output kept (half head, half tail); max_procs:
         processes+threads at once; max_file_mb: largest file a command may write; cpu_seconds: CPU
         time per process; protect_host: make everything but the workspace read-only, with a private
-        /tmp (namespace modes only); isolation: "auto", or force "namespace" / "userns" / "subreaper"."""
+        /tmp (namespace modes only); isolation: "auto", or force "namespace" / "userns" / "subreaper";
+        ro_paths: host directories under /tmp that commands must still read (the private /tmp would
+        hide them), e.g. a package cache; they stay read-only."""
         assert timeout > 0, f"timeout must be positive seconds, got {timeout}"
         assert max_output >= 64, f"max_output must be at least 64 bytes, got {max_output}"
         assert max_procs >= 4, f"max_procs must be at least 4 (the helper, bash and a pipe), got {max_procs}"
@@ -252,7 +254,8 @@ class Sandbox:
         assert bash, f"bash not found on PATH={self._env['PATH']}"
         self._config = {"workdir": str(self.workdir), "mode": isolation, "rlimits": rlimits, "bash": bash,
                         "cpu_seconds": cpu_seconds, "cgroups": [str(d) for d in self._cgroups], "pid_max": pid_max,
-                        "protect_host": self.protect_host, "tmp_mb": max_file_mb}
+                        "protect_host": self.protect_host, "tmp_mb": max_file_mb,
+                        "ro_paths": [str(Path(p).resolve()) for p in ro_paths]}
         self._lock = threading.Lock()   # one command at a time per sandbox; sandboxes run side by side
         self._proc, self._proc_box = None, [None]   # the box is shared with the finalizer, which must not hold self
         # cleanup even if the caller forgets close(): ends the helper and removes what we created
@@ -557,9 +560,10 @@ def _run_one(req: dict, config: dict) -> dict:
             "timed_out": timed_out, "truncated": truncated}
 
 
-def _protect_host(workdir: str, tmp_mb: int) -> None:
+def _protect_host(workdir: str, tmp_mb: int, ro_paths=()) -> None:
     """Inside our mount namespace: make every mount read-only, give /tmp and /dev/shm private tmpfs,
-    and mount the workspace back writable. Needs Linux >= 5.12 (mount_setattr)."""
+    bring back the ro_paths the tmpfs hid (read-only), and mount the workspace back writable.
+    Needs Linux >= 5.12 (mount_setattr)."""
     import ctypes
     import struct
     libc = ctypes.CDLL(None, use_errno=True)
@@ -577,11 +581,18 @@ def _protect_host(workdir: str, tmp_mb: int) -> None:
 
     MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MOUNT_ATTR_RDONLY = 2, 4, 4096, 16384, 1
     handle = os.open(workdir, os.O_PATH)   # the workspace may sit under /tmp, which the tmpfs will hide
+    hidden = [(p, os.open(p, os.O_PATH)) for p in ro_paths
+              if p.startswith(("/tmp/", "/dev/shm/")) and os.path.isdir(p)]
     mount_setattr("/", MOUNT_ATTR_RDONLY, 0, recursive=True)
     for d in ("/tmp", "/dev/shm"):
         if os.path.isdir(d):
             check(libc.mount(b"tmpfs", d.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, f"size={tmp_mb}m,mode=1777".encode()),
                   f"mount tmpfs on {d}")
+    for path, h in hidden:                 # read-only binds: they keep the flag of the source mount
+        os.makedirs(path, exist_ok=True)
+        check(libc.mount(f"/proc/self/fd/{h}".encode(), path.encode(), None, MS_BIND | MS_REC, None),
+              f"bind-mount {path}")
+        os.close(h)
     os.makedirs(workdir, exist_ok=True)   # a mount point inside the new /tmp, if the workspace was under /tmp
     check(libc.mount(f"/proc/self/fd/{handle}".encode(), workdir.encode(), None, MS_BIND | MS_REC, None),
           f"bind-mount {workdir}")
@@ -618,7 +629,7 @@ def serve(config: dict) -> None:
 
     if config["protect_host"]:
         try:   # last: it makes /sys and /proc read-only too
-            _protect_host(config["workdir"], config["tmp_mb"])
+            _protect_host(config["workdir"], config["tmp_mb"], config.get("ro_paths", ()))
         except OSError as e:
             reply({"ready": False, "error": str(e)})
             return
