@@ -387,3 +387,20 @@ with Sandbox(timeout=1, max_procs=24) as sb:
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip().endswith("ok")
     _assert_no_stray(m)
+
+
+def test_ro_paths_bring_back_host_dirs_under_tmp(tmp_path):
+    """The private /tmp hides host directories under /tmp (a cache, a clone); ro_paths re-exposes
+    them read-only, and only them."""
+    shared = tmp_path / "cache"
+    shared.mkdir()
+    (shared / "dep.txt").write_text("dependency\n")
+    with Sandbox(timeout=5) as sb:
+        if not sb.protect_host:
+            pytest.skip(f"no private /tmp in this mode: {sb.describe()}")
+        assert "dependency" not in sb.run(f"cat {shared}/dep.txt").output
+    with Sandbox(timeout=5, ro_paths=[shared]) as sb:
+        assert sb.run(f"cat {shared}/dep.txt").output.strip() == "dependency"
+        assert sb.run(f"echo x > {shared}/new.txt").exit_code != 0      # still read-only
+        assert sb.run("echo y > mine.txt && cat mine.txt").output.strip() == "y"   # the workspace is writable
+    assert not (shared / "new.txt").exists()
