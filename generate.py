@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from model import row_groups
+
 
 @dataclass
 class Prefix:
@@ -129,34 +131,23 @@ def prefill(model, prompts: list[list[int]], cache_len: int, token_budget: int, 
     prefixes: continue these saved states instead of starting fresh; prompts[i] then holds only the
     tokens after prefixes[i]. Their caches are copied (Cache.cat), so a caller's Prefix stays reusable.
     Returns (cache holding every row in `prompts` order, logits at each row's last prompt token (B, V))."""
-    caches, last_logits = [], []
-    start = 0
-    while start < len(prompts):
-        # Grow the micro-batch while it fits the token budget and padding stays under max_padding of it.
-        # Prompts ascend in length, so the prompt added last is the longest. One prompt always fits.
-        end, num_real = start + 1, len(prompts[start])
-        while end < len(prompts):
-            padded = (end + 1 - start) * len(prompts[end])  # (rows x longest) after adding prompt `end`
-            if padded > token_budget or padded - (num_real + len(prompts[end])) > max_padding * padded:
-                break
-            num_real += len(prompts[end])
-            end += 1
+    if prefixes is None:
+        cache = model.new_cache(len(prompts), cache_len, device=device)
+    else:
+        cache = type(prefixes[0].cache).cat([pf.cache.resized(cache_len) for pf in prefixes])
+    last_logits = []
+    # Micro-batches: consecutive prompts (they ascend in length) within the token budget and padding bound
+    for start, end in row_groups([len(p) for p in prompts], max_padding, max_tokens=token_budget):
         rows = prompts[start:end]
         T = len(rows[-1])
         ids = torch.zeros(len(rows), T, dtype=torch.long)  # right padding with id 0: causal attention
         for r, p in enumerate(rows):                          # never lets a real token see a pad
             ids[r, : len(p)] = torch.tensor(p)
         lengths = torch.tensor([len(p) for p in rows], device=device)
-        if prefixes is None:
-            cache = model.new_cache(len(rows), cache_len, device=device)
-        else:
-            cache = type(prefixes[start].cache).cat([pf.cache.resized(cache_len) for pf in prefixes[start:end]])
-        # last_only: the lm_head runs only at each row's last real token, the one that predicts token 1
-        logits = model(ids.to(device), cache=cache, lengths=lengths, last_only=True)[:, -1]  # (b, V)
-        caches.append(cache)
+        # last_only: the lm_head runs only at each row's last real token, the one that predicts token 1;
+        # cache.rows: views, so the forward fills these rows of the one cache in place
+        logits = model(ids.to(device), cache=cache.rows(start, end), lengths=lengths, last_only=True)[:, -1]
         last_logits.append(logits.float())
-        start = end
-    cache = caches[0] if len(caches) == 1 else type(caches[0]).cat(caches)  # rows in `prompts` order
     return cache, torch.cat(last_logits, dim=0)
 
 

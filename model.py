@@ -195,6 +195,15 @@ class Cache:
         for name in self.PER_LAYER:
             setattr(self, name, getattr(kept, name))
 
+    def rows(self, start: int, stop: int) -> "Cache":
+        """Rows start..stop-1 as views: a forward through them fills this cache in place (forward updates
+        every cache tensor in place). generate.py prefills one micro-batch of rows at a time this way."""
+        out = object.__new__(Cache)
+        out.max_seq_len, out.seqlens = self.max_seq_len, self.seqlens[start:stop]
+        for name in self.PER_LAYER:
+            setattr(out, name, [None if t is None else t[start:stop] for t in getattr(self, name)])
+        return out
+
     def take(self, idx) -> "Cache":
         """A new Cache holding copies of rows idx; this one is left untouched (keep a finished
         sequence's state to continue it later: multi-turn rollouts)."""
@@ -231,6 +240,42 @@ class Cache:
         return out
 
 
+# ----------------------------------------------------------------------------- one forward call
+
+@dataclass
+class Step:
+    """What every layer needs to know about one forward call, worked out once in Transformer.forward."""
+    cos: torch.Tensor                 # [B, T, 1, rotary_dim] rope tables (sin sign-folded: rope_cos_sin)
+    sin: torch.Tensor
+    lengths: torch.Tensor             # [B] real tokens per row; rows are right-padded to T
+    attn_impl: str = "sdpa"           # "sdpa" | "flash"
+    # with a cache only:
+    first: bool = True                # no row holds cached tokens yet: attention needs only the new tokens
+    decode: bool = False              # one token per row (T == 1, all real): the cheap recurrent paths
+    real: tuple = None                # (rows, cols) of the real tokens, and
+    slots: torch.Tensor = None        # the cache slot of each (seqlens[row] + col)
+    groups: list = None               # sdpa over the cache: [(r0, r1, mask [b, 1, G*T, S])], rows r0..r1-1
+                                      # attend together over slots 0..S-1, causally
+
+
+def row_groups(lengths: list, max_padding: float = 0.1, max_tokens: int = None) -> list:
+    """Cut rows 0..n-1 into consecutive groups [(start, stop)] for batching rows of different lengths:
+    a group grows while its padded size (rows x longest) wastes at most max_padding of it and stays
+    within max_tokens. Rows sorted by length make few groups; one row always makes a group."""
+    groups, start = [], 0
+    while start < len(lengths):
+        stop, real, longest = start + 1, lengths[start], lengths[start]
+        while stop < len(lengths):
+            longest_next = max(longest, lengths[stop])
+            padded = (stop + 1 - start) * longest_next
+            if max_tokens and padded > max_tokens or padded - real - lengths[stop] > max_padding * padded:
+                break
+            real, longest, stop = real + lengths[stop], longest_next, stop + 1
+        groups.append((start, stop))
+        start = stop
+    return groups
+
+
 # ----------------------------------------------------------------------------- building blocks
 
 class RMSNorm(nn.Module):
@@ -242,30 +287,29 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centred else torch.ones(dim))
 
     def forward(self, x):
-        x32 = x.float()
-        x_hat = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        x_hat = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)   # x / sqrt(mean(x^2) + eps), in fp32
         if self.zero_centred:
             return (x_hat * (1.0 + self.weight.float())).type_as(x)
         return self.weight * x_hat.type_as(x)  # HF order: cast back first, then scale
 
 
 def rope_cos_sin(config: ModelConfig, positions: torch.Tensor, dtype):
-    """cos, sin [B, T, rotary_dim] for integer positions [B, T] (computed in fp32, like HF)."""
+    """cos, sin [B, T, 1, rotary_dim] for integer positions [B, T] (computed in fp32, like HF). sin comes
+    sign-folded, [-sin | sin], so that apply_rope needs no negation."""
     rd = config.rotary_dim
     inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, rd, 2, device=positions.device, dtype=torch.float32) / rd)
-    freqs = positions.float()[..., None] * inv_freq                # [B, T, rd/2]
-    emb = torch.cat([freqs, freqs], dim=-1)                        # [B, T, rd]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    freqs = positions.float()[..., None, None] * inv_freq          # [B, T, 1, rd/2]
+    sin = freqs.sin()
+    return torch.cat([freqs, freqs], dim=-1).cos().to(dtype), torch.cat([-sin, sin], dim=-1).to(dtype)
 
 
 def apply_rope(x, cos, sin):
-    """Rotate the first rotary_dim features of x [B, T, H, D] (rotate-half convention)."""
+    """Rotate the first rotary_dim features of x [B, T, H, D], rotate-half convention:
+    x * cos + [-x2 | x1] * sin, written as x * cos + [x2 | x1] * [-sin | sin] (the same numbers)."""
     rd = cos.shape[-1]
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    x_rot, x_pass = x[..., :rd], x[..., rd:]
-    x1, x2 = x_rot[..., : rd // 2], x_rot[..., rd // 2:]
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return torch.cat([x_rot * cos + rotated * sin, x_pass], dim=-1)
+    x_rot = x[..., :rd]
+    rotated = x_rot * cos + x_rot.roll(rd // 2, dims=-1) * sin
+    return rotated if rd == x.shape[-1] else torch.cat([rotated, x[..., rd:]], dim=-1)
 
 
 class MLP(nn.Module):
@@ -295,7 +339,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(D, c.rms_norm_eps, zero_centred=self.gated)
             self.k_norm = RMSNorm(D, c.rms_norm_eps, zero_centred=self.gated)
 
-    def forward(self, x, cos, sin, cache, lengths, attn_impl):
+    def forward(self, x, step: Step, cache):
         B, T, _ = x.shape
         H, Hkv, D = self.c.num_heads, self.c.num_kv_heads, self.c.head_dim
         q = self.q_proj(x)
@@ -307,42 +351,50 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, Hkv, D)
         if self.c.arch != "llama":
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)       # [B, T, H(kv), D]
+        q, k = apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin)  # [B, T, H(kv), D]
 
-        if attn_impl == "flash":
-            out = self._flash(q, k, v, cache, lengths)
+        if step.attn_impl == "flash":
+            out = self._flash(q, k, v, step, cache)
         else:
-            out = self._sdpa(q, k, v, cache, lengths)
+            out = self._sdpa(q, k, v, step, cache)
         out = out.reshape(B, T, H * D)
         if self.gated:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out)
 
-    def _sdpa(self, q, k, v, cache, lengths):
-        B, T = q.shape[:2]
-        if cache is None:  # right padding is harmless: pads come after every real token
+    def _sdpa(self, q, k, v, step: Step, cache):
+        B, T, H, D = q.shape
+        if cache is not None:  # write the real tokens' keys and values into their slots
+            k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]  # [B, S, Hkv, D]
+            k_cache[step.real[0], step.slots] = k[step.real].to(k_cache.dtype)
+            v_cache[step.real[0], step.slots] = v[step.real].to(v_cache.dtype)
+        if cache is None or step.first:
+            # nothing cached before these tokens: causal attention over them alone (right padding is
+            # harmless: pads come after every real token)
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                  is_causal=True, enable_gqa=True)
             return out.transpose(1, 2)
-        # write only the real tokens: token t of row b goes to slot seqlens[b] + t
-        pos = cache.seqlens[:, None] + torch.arange(T, device=q.device)          # [B, T]
-        rows, cols = (torch.arange(T, device=q.device)[None] < lengths[:, None]).nonzero(as_tuple=True)
-        k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]      # [B, S, Hkv, D]
-        k_cache[rows, pos[rows, cols]] = k[rows, cols].to(k_cache.dtype)
-        v_cache[rows, pos[rows, cols]] = v[rows, cols].to(v_cache.dtype)
-        S = int((cache.seqlens + lengths).max())                                  # slots in use
-        # explicit causal mask: query at absolute position p sees slots 0..p of its own row
-        mask = torch.arange(S, device=q.device)[None, None, :] <= pos[:, :, None]  # [B, T, S]
-        keys = k_cache[:, :S].transpose(1, 2).to(q.dtype)                         # [B, Hkv, S, D]
-        values = v_cache[:, :S].transpose(1, 2).to(q.dtype)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask[:, None], enable_gqa=True)
-        return out.transpose(1, 2)                                                # [B, T, H, D]
+        # Attend over the cache in groups of rows of similar length, each group reading slots only up to
+        # its longest row: decode is bound by reading the cache, and rows differ a lot in length.
+        # GQA without copying keys: the G = H / Hkv query heads of a kv head are G queries of that head.
+        Hkv = k.shape[2]
+        G = H // Hkv
+        out = torch.empty_like(q)
+        for r0, r1, mask in step.groups:
+            S = mask.shape[-1]
+            qg = q[r0:r1].view(-1, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(-1, Hkv, G * T, D)
+            keys = k_cache[r0:r1, :S].transpose(1, 2).to(q.dtype)                 # [b, Hkv, S, D]
+            values = v_cache[r0:r1, :S].transpose(1, 2).to(q.dtype)
+            o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)    # [b, Hkv, G*T, D]
+            out[r0:r1] = o.view(-1, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(-1, T, H, D)
+        return out                                                                 # [B, T, H, D]
 
-    def _flash(self, q, k, v, cache, lengths):
+    def _flash(self, q, k, v, step: Step, cache):
         # flash-attn itself refuses CPU tensors and fp32 with a clear message
         assert flash_attn_varlen_func is not None, "attn_impl='flash' needs the flash-attn package (pip install flash-attn)"
         B, T, H, D = q.shape
         if cache is None:  # unpad the real tokens and run one varlen kernel over all rows
+            lengths = step.lengths
             valid = torch.arange(T, device=q.device)[None] < lengths[:, None]       # [B, T]
             cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)                   # [B + 1]
             max_len = int(lengths.max())
@@ -367,10 +419,10 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state):
     out = torch.empty_like(v)
     for t in range(q.shape[2]):
         state = state * g[:, :, t, None, None].exp()                      # forget: S <- S * exp(g)
-        kv_mem = (state * k[:, :, t, :, None]).sum(-2)                    # S^T k: what S predicts for k [B, H, dv]
+        kv_mem = (k[:, :, t, None, :] @ state)[:, :, 0]                   # S^T k: what S predicts for k [B, H, dv]
         delta = (v[:, :, t] - kv_mem) * beta[:, :, t, None]               # delta rule correction
-        state = state + k[:, :, t, :, None] * delta[:, :, None, :]        # S += k (x) delta
-        out[:, :, t] = (state * q[:, :, t, :, None]).sum(-2)              # o = S^T q
+        state = torch.addcmul(state, k[:, :, t, :, None], delta[:, :, None, :])  # S += k (x) delta
+        out[:, :, t] = (q[:, :, t, None, :] @ state)[:, :, 0]             # o = S^T q
     return out, state
 
 
@@ -425,25 +477,30 @@ class GatedDeltaNet(nn.Module):
         self.norm = RMSNorm(self.dv, c.rms_norm_eps)                            # plain (not zero-centred)
         self.out_proj = nn.Linear(self.value_dim, c.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, cache, lengths, attn_impl):
+    def forward(self, x, step: Step, cache):
         B, T, _ = x.shape
         K = self.c.linear_conv_kernel
         qkv = self.in_proj_qkv(x).transpose(1, 2)                             # [B, conv_dim, T]
         # causal depthwise conv over [previous K inputs | new T inputs] (zeros without a cache)
         window = cache.conv[self.layer_idx] if cache is not None else qkv.new_zeros(B, self.conv_dim, K)
         seq = torch.cat([window.to(qkv.dtype), qkv], dim=-1)                  # [B, conv_dim, K + T]
-        qkv = F.silu(F.conv1d(seq, self.conv1d.weight, groups=self.conv_dim)[..., -T:])
+        if step.decode:  # one new input per row: the conv is one K-term dot product per channel
+            qkv = F.silu((seq[..., 1:] * self.conv1d.weight[:, 0]).sum(-1, keepdim=True))
+        else:
+            qkv = F.silu(F.conv1d(seq, self.conv1d.weight, groups=self.conv_dim)[..., -T:])
         q, k, v = qkv.transpose(1, 2).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = q.reshape(B, T, self.Hk, self.dk), k.reshape(B, T, self.Hk, self.dk)
         v = v.reshape(B, T, self.Hv, self.dv)
         beta = torch.sigmoid(self.in_proj_b(x)).float()                                   # [B, T, Hv]
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())  # log decay <= 0
-        if cache is not None:
-            real = (torch.arange(T, device=x.device)[None] < lengths[:, None])[..., None]  # [B, T, 1]
+        if step.decode:
+            window.copy_(seq[..., 1:])                                           # the last K inputs
+        elif cache is not None:
+            real = (torch.arange(T, device=x.device)[None] < step.lengths[:, None])[..., None]  # [B, T, 1]
             beta, g = beta * real, g * real                       # pads: no write, no decay
             # keep the K conv inputs that end at each row's last real token
-            idx = (lengths[:, None] + torch.arange(K, device=x.device))[:, None, :].expand(B, self.conv_dim, K)
-            cache.conv[self.layer_idx] = seq.gather(-1, idx).to(window.dtype)
+            idx = (step.lengths[:, None] + torch.arange(K, device=x.device))[:, None, :].expand(B, self.conv_dim, K)
+            window.copy_(seq.gather(-1, idx))
         if self.Hv != self.Hk:  # grouped heads: each q/k head serves Hv/Hk consecutive value heads
             q, k = q.repeat_interleave(self.Hv // self.Hk, dim=2), k.repeat_interleave(self.Hv // self.Hk, dim=2)
         q, k, v = (t.transpose(1, 2).float() for t in (q, k, v))                      # [B, H, T, d] fp32
@@ -453,7 +510,7 @@ class GatedDeltaNet(nn.Module):
         rule = recurrent_gated_delta_rule if T == 1 else chunk_gated_delta_rule
         out, state = rule(q, k, v, g, beta, state)
         if cache is not None:
-            cache.state[self.layer_idx] = state
+            cache.state[self.layer_idx].copy_(state)
         out = out.transpose(1, 2).to(x.dtype)                                             # [B, T, Hv, dv]
         z = self.in_proj_z(x).view(B, T, self.Hv, self.dv)
         out = (self.norm(out).float() * F.silu(z.float())).to(x.dtype)                   # gated RMSNorm
@@ -474,9 +531,9 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, zero_centred=zc)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, zero_centred=zc)
 
-    def forward(self, x, cos, sin, cache=None, lengths=None, attn_impl="sdpa"):
+    def forward(self, x, step: Step, cache=None):
         mixer = self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
-        x = x + mixer(self.input_layernorm(x), cos, sin, cache, lengths, attn_impl)
+        x = x + mixer(self.input_layernorm(x), step, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -496,6 +553,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.gradient_checkpointing = False   # recompute each layer in backward (saves activation memory)
         self.attn_impl = "sdpa"               # "flash": flash-attn kernels (CUDA, bf16/fp16)
+        self._lm_head_t = None                # (weight version, [D, vocab] copy): see _logits
 
     def new_cache(self, batch_size: int, max_seq_len: int, device=None, dtype=None) -> Cache:
         w = self.embed_tokens.weight
@@ -506,6 +564,7 @@ class Transformer(nn.Module):
         return_hidden. last_only: only each row's last real position, so [B, 1, vocab] (and [B, 1, D])."""
         B, T = input_ids.shape
         dev = input_ids.device
+        given_lengths = lengths
         if lengths is None:
             lengths = torch.full((B,), T, dtype=torch.long, device=dev)
         start = cache.seqlens if cache is not None else torch.zeros(B, dtype=torch.long, device=dev)
@@ -520,19 +579,56 @@ class Transformer(nn.Module):
                              f"make a larger cache with new_cache()")
         x = self.embed_tokens(input_ids)                                      # [B, T, D]
         positions = start[:, None] + torch.arange(T, device=dev)              # [B, T]
-        cos, sin = rope_cos_sin(self.config, positions, x.dtype)
+        step = Step(*rope_cos_sin(self.config, positions, x.dtype), lengths, self.attn_impl)
+        if cache is not None:
+            self._plan_cache_step(step, cache, positions, decode=T == 1 and (given_lengths is None or
+                                                                         bool((lengths == 1).all())))
         for layer in self.layers:
             if self.gradient_checkpointing and self.training and cache is None:
-                x = checkpoint(layer, x, cos, sin, None, lengths, self.attn_impl, use_reentrant=False)
+                x = checkpoint(layer, x, step, None, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, cache, lengths, self.attn_impl)
+                x = layer(x, step, cache)
         if cache is not None:
-            cache.seqlens = cache.seqlens + lengths
+            cache.seqlens += lengths   # in place, like every cache update (see Cache.rows)
         if last_only:  # only the next-token logits: skip the lm_head on every other position
             x = x[torch.arange(B, device=dev), (lengths - 1).clamp(min=0)][:, None]  # [B, 1, D]
         hidden = self.norm(x)
-        logits = self.lm_head(hidden).float()
+        logits = self._logits(hidden).float()
         return (logits, hidden) if return_hidden else logits
+
+    def _logits(self, hidden):
+        """lm_head(hidden). Generating on CPU (under inference_mode), MKL multiplies the few decode rows by the large [vocab, D]
+        matrix ~1.5x faster pre-transposed to [D, vocab] (SmolLM2: ~8% of a decode step), so keep that copy
+        while the weight is unchanged (an optimizer step or a load bumps its version: a new copy)."""
+        w = self.lm_head.weight
+        sharded = torch.distributed.is_available() and torch.distributed.is_initialized()  # FSDP swaps weights
+        if not torch.is_inference_mode_enabled() or w.device.type != "cpu" or sharded or self.lm_head.bias is not None:
+            return self.lm_head(hidden)
+        version = (w.data_ptr(), w._version)
+        if self._lm_head_t is None or self._lm_head_t[0] != version:
+            self._lm_head_t = (version, w.detach().t().contiguous())
+        return hidden @ self._lm_head_t[1]
+
+    def _plan_cache_step(self, step: Step, cache: Cache, positions, decode: bool) -> None:
+        """Fill in step's cache fields: where the new keys go and which rows attend together (sdpa)."""
+        T = positions.shape[1]
+        step.decode = decode
+        if step.attn_impl == "flash" or "full_attention" not in self.config.layer_types:
+            return  # flash-attn places keys itself; DeltaNet layers need only `decode`
+        starts = cache.seqlens.tolist()
+        step.first = max(starts) == 0
+        step.real = (torch.arange(T, device=positions.device)[None] < step.lengths[:, None]).nonzero(as_tuple=True)
+        step.slots = positions[step.real]
+        if step.first:
+            return
+        ends = [s + n for s, n in zip(starts, step.lengths.tolist())]
+        G = self.config.num_heads // self.config.num_kv_heads
+        step.groups = []
+        for r0, r1 in row_groups(ends):
+            S = max(ends[r0:r1])
+            mask = torch.arange(S, device=positions.device) <= positions[r0:r1, :, None]   # [b, T, S] causal
+            # one row per (query head of a kv head, token), in the order _sdpa lays queries out
+            step.groups.append((r0, r1, mask[:, None, None].expand(-1, 1, G, T, S).reshape(-1, 1, G * T, S)))
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

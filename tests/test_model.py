@@ -168,6 +168,35 @@ def test_cache_cat_and_last_only():
         assert max_diff(logits[:, 0], full[[0, 1, 2], [6, 10, 4]]) <= 1e-4
 
 
+def test_inference_mode_logits_follow_weight_updates():
+    # under inference_mode the CPU lm_head multiplies by a cached transposed copy of its weight: the
+    # copy must match the plain product and be remade after an in-place (optimizer-like) update
+    model = perturbed_tiny("llama")
+    x = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        fast = model(x)
+    with torch.no_grad():
+        plain = model(x)
+        model.lm_head.weight.mul_(1.5)
+        plain_after = model(x)
+    with torch.inference_mode():
+        fast_after = model(x)
+    assert max_diff(fast, plain) <= 1e-5 and max_diff(fast_after, plain_after) <= 1e-5
+    assert max_diff(fast, fast_after) > 1e-2
+
+
+def test_row_groups():
+    # sorted lengths: groups stay under 10% padding; one row always makes a group; max_tokens caps a group
+    lengths = [10, 10, 11, 30, 31, 200]
+    groups = M.row_groups(lengths)
+    assert groups == [(0, 3), (3, 5), (5, 6)]
+    for a, b in groups:
+        padded = (b - a) * max(lengths[a:b])
+        assert padded - sum(lengths[a:b]) <= 0.1 * padded
+    assert M.row_groups(lengths, max_tokens=25) == [(0, 2), (2, 3), (3, 4), (4, 5), (5, 6)]
+    assert M.row_groups([5, 1, 5]) == [(0, 1), (1, 2), (2, 3)]  # unsorted rows still group correctly
+
+
 def test_chunked_delta_rule_equals_recurrent():
     g = torch.Generator().manual_seed(0)
     B, H, T, dk, dv = 2, 3, 150, 8, 5
