@@ -164,7 +164,8 @@ def generate(
     top_p: float = 1.0,
     stop_token_ids=(),
     seed: int | None = None,
-    prefill_token_budget: int = 4096,  # padded tokens per prefill micro-batch (bounds memory and padding)
+    prefill_token_budget: int | None = None,  # padded tokens per prefill micro-batch; None: 1024 on CPU
+                                               # (activations stay in cache: ~10% faster), 4096 on GPU
     sync_every: int | None = None,     # decode steps between host read-backs; None: 1 on CPU, 8 on CUDA
     prefixes: list | None = None,      # per prompt: a Prefix of it from an earlier call, or None
     keep_prefix: bool = False,         # return each row's state in Completion.prefix, to continue it later
@@ -188,6 +189,8 @@ def generate(
                              f"must extend it")
     if sync_every is None:
         sync_every = 1 if device.type == "cpu" else 8
+    if prefill_token_budget is None:
+        prefill_token_budget = 1024 if device.type == "cpu" else 4096
     if keep_prefix:
         # the saved state must stop exactly at the last kept token: a DeltaNet state cannot be rewound
         # past tokens that were sampled after a stop token and fed through the model

@@ -426,35 +426,49 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state):
     return out, state
 
 
+def gated_delta_step_(q, k, v, g, beta, state):
+    """One decode token, updating `state` (the cache's) in place: the recurrent rule above, rearranged so
+    that the state is read once for both S^T k and S^T q (taken from the old state, then corrected) and
+    updated in place, since a decode step is bound by moving the states. q, k [B, H, dk]; v [B, H, dv];
+    g, beta [B, H]; state [B, H, dk, dv] fp32. Returns o [B, H, dv]."""
+    decay = g.exp()[..., None]                                            # [B, H, 1]
+    k_mem, q_mem = (torch.stack([k, q], dim=2) @ state).unbind(2)         # S^T k, S^T q [B, H, dv]
+    delta = (v - k_mem * decay) * beta[..., None]                         # v - (S exp(g))^T k, times beta
+    state.mul_(decay[..., None]).addcmul_(k[..., :, None], delta[..., None, :])  # S <- S exp(g) + k (x) delta
+    return q_mem * decay + (q * k).sum(-1, keepdim=True) * delta          # S_new^T q
+
+
 def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size=64):
     """The same rule, in chunks: within a chunk the T sequential updates become triangular solves and
     matmuls (the UT transform of DeltaNet); only the chunks are walked in order. Shapes as above."""
     B, H, T, dk = k.shape
     C = chunk_size
     pad = (C - T % C) % C   # zero padding: beta = 0 and g = 0 leave the state alone
-    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-    g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
     N = (T + pad) // C
     q, k, v = (x.reshape(B, H, N, C, -1) for x in (q, k, v))
     g, beta = g.reshape(B, H, N, C), beta.reshape(B, H, N, C)
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
     g_cum = g.cumsum(-1)                                                  # log decay from chunk start to i
+    g_exp = g_cum.exp()[..., None]
     future = torch.ones(C, C, dtype=torch.bool, device=q.device).triu(1)
     decay = (g_cum[..., :, None] - g_cum[..., None, :]).masked_fill(future, float("-inf")).exp()  # [.., C, C] i>=j
     # (I + strict_lower(beta_i k_i.k_j decay_ij)) u = beta v : the per-token corrections inside the chunk
     system = (k_beta @ k.transpose(-1, -2)) * decay
     u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, k_beta * g_cum.exp()[..., None], upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * g_exp, upper=False, unitriangular=True)
     attn = (q @ k.transpose(-1, -2)) * decay                               # intra-chunk q.k, causal, decayed
-    q_dec = q * g_cum.exp()[..., None]                                    # q reads the state decayed to i
+    q_dec = q * g_exp                                                     # q reads the state decayed to i
     k_dec = k * (g_cum[..., -1:] - g_cum).exp()[..., None]                # k's write decays to chunk end
     chunk_decay = g_cum[..., -1].exp()[..., None, None]                   # [B, H, N, 1, 1]
-    out = torch.empty_like(v)
+    out = []
     for n in range(N):
         v_new = u[:, :, n] - w[:, :, n] @ state                           # corrections net of what S predicts
-        out[:, :, n] = q_dec[:, :, n] @ state + attn[:, :, n] @ v_new
+        out.append(q_dec[:, :, n] @ state + attn[:, :, n] @ v_new)
         state = state * chunk_decay[:, :, n] + k_dec[:, :, n].transpose(-1, -2) @ v_new
-    return out.reshape(B, H, N * C, -1)[:, :, :T], state
+    return torch.stack(out, dim=2).reshape(B, H, N * C, -1)[:, :, :T], state
 
 
 class GatedDeltaNet(nn.Module):
@@ -506,11 +520,15 @@ class GatedDeltaNet(nn.Module):
         q, k, v = (t.transpose(1, 2).float() for t in (q, k, v))                      # [B, H, T, d] fp32
         q, k = l2norm(q) * self.dk ** -0.5, l2norm(k)
         beta, g = beta.transpose(1, 2), g.transpose(1, 2)                                 # [B, Hv, T]
-        state = cache.state[self.layer_idx] if cache is not None else q.new_zeros(B, self.Hv, self.dk, self.dv)
-        rule = recurrent_gated_delta_rule if T == 1 else chunk_gated_delta_rule
-        out, state = rule(q, k, v, g, beta, state)
-        if cache is not None:
-            cache.state[self.layer_idx].copy_(state)
+        if step.decode:
+            out = gated_delta_step_(q[:, :, 0], k[:, :, 0], v[:, :, 0], g[:, :, 0], beta[:, :, 0],
+                                    cache.state[self.layer_idx])[:, :, None]          # [B, Hv, 1, dv]
+        else:
+            state = cache.state[self.layer_idx] if cache is not None else q.new_zeros(B, self.Hv, self.dk, self.dv)
+            rule = recurrent_gated_delta_rule if T == 1 else chunk_gated_delta_rule
+            out, state = rule(q, k, v, g, beta, state)
+            if cache is not None:
+                cache.state[self.layer_idx].copy_(state)
         out = out.transpose(1, 2).to(x.dtype)                                             # [B, T, Hv, dv]
         z = self.in_proj_z(x).view(B, T, self.Hv, self.dv)
         out = (self.norm(out).float() * F.silu(z.float())).to(x.dtype)                   # gated RMSNorm

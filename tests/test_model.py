@@ -208,6 +208,11 @@ def test_chunked_delta_rule_equals_recurrent():
     o1, s1 = M.recurrent_gated_delta_rule(q, k, v, decay, beta, state)
     o2, s2 = M.chunk_gated_delta_rule(q, k, v, decay, beta, state, chunk_size=32)
     assert max_diff(o1, o2) <= 1e-4 and max_diff(s1, s2) <= 1e-4
+    # the in-place decode step: token by token, the state it updates ends where the rule's does
+    s3 = state.clone()
+    o3 = torch.stack([M.gated_delta_step_(q[:, :, t], k[:, :, t], v[:, :, t], decay[:, :, t], beta[:, :, t], s3)
+                      for t in range(T)], dim=2)
+    assert max_diff(o1, o3) <= 1e-4 and max_diff(s1, s3) <= 1e-4
 
 
 def test_gradient_checkpointing_and_bf16():
