@@ -169,8 +169,8 @@ def test_cache_cat_and_last_only():
 
 
 def test_inference_mode_logits_follow_weight_updates():
-    # under inference_mode the CPU lm_head multiplies by a cached transposed copy of its weight: the
-    # copy must match the plain product and be remade after an in-place (optimizer-like) update
+    # under inference_mode on CPU every Linear multiplies by a cached transposed copy of its weight:
+    # the copies must match the plain products and be remade after in-place (optimizer-like) updates
     model = perturbed_tiny("llama")
     x = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4))
     with torch.inference_mode():
@@ -178,6 +178,7 @@ def test_inference_mode_logits_follow_weight_updates():
     with torch.no_grad():
         plain = model(x)
         model.lm_head.weight.mul_(1.5)
+        model.layers[0].mlp.down_proj.weight.add_(0.1)
         plain_after = model(x)
     with torch.inference_mode():
         fast_after = model(x)
