@@ -11,12 +11,13 @@ How it runs (the nano-vllm / gpt-fast recipe, without paging or continuous batch
   1. Prefill. Prompts are sorted by length and cut into right-padded micro-batches whose padded size
      (rows x longest prompt) stays under a token budget and is at most 10% padding, so short prompts
      are not padded to the longest one (the padding-free varlen prefill of nano-vllm, approximated).
-     Each micro-batch fills its own cache (`model(ids, cache=..., lengths=...)`); the caches are then
-     concatenated row-wise into one decode batch. Multi-turn: a prompt that extends an earlier
+     One cache holds every row; each micro-batch fills its rows in place (`model(ids, cache=cache.rows(a,
+     b), lengths=...)`), and the rows then decode together. Multi-turn: a prompt that extends an earlier
      prompt + completion can pass that call's saved `Prefix`, and only its new tokens are prefilled.
   2. Decode. One token per step for every live row. A row stops at a stop token (kept, with its logprob:
      the learner trains on it) or at its own max_new_tokens. Finished rows are dropped from the batch
-     with `Cache.select`, so they stop costing compute.
+     with `Cache.select`, so they stop costing compute. Rows stay in prompt-length order, so the model's
+     SDPA path attends in groups of similar-length rows (model.row_groups) and reads little padding.
 Attention kernels are the model's business (`model.attn_impl`): PyTorch SDPA on CPU, FlashAttention
 (`flash_attn_varlen_func` for prefill, `flash_attn_with_kvcache` for decode) on CUDA in bf16/fp16.
 

@@ -19,6 +19,14 @@ at position `cache.seqlens[b]`; `lengths[b]` says how many of the T tokens of ro
 right-padded). Attention layers keep a static KV cache [B, S, H_kv, D]; DeltaNet layers keep the last 4
 conv inputs [B, conv_dim, 4] and the recurrent state [B, H_v, d_k, d_v] in fp32. Multi-token calls run
 the chunked delta rule (matmuls within chunks of 64), single-token decode runs the recurrent rule.
+A forward updates the cache in place (so `cache.rows(a, b)`, a view of some rows, can be filled alone).
+
+Where CPU time goes (decode is bound by reading weights and cache, so the fast paths read less): the
+SDPA path attends over the cache in groups of similar-length rows (`row_groups`), each reading only up
+to its own longest row, with GQA as G queries per kv head (no copied keys); a first prefill is plain
+causal attention; `Linear` multiplies by a transposed weight copy under inference_mode; the DeltaNet
+decode step updates its state in place. The whole forward's plan (rope tables, cache slots, row groups
+and their masks) is worked out once per call, in a `Step`.
 
 Simplified on purpose: no sliding window, no rope scaling (only the "default" rope), no MoE, no vision
 tower (a multimodal Qwen3.5 checkpoint loads its language model only), no MTP head. The model knows
@@ -401,15 +409,14 @@ class Attention(nn.Module):
         # GQA without copying keys: the G = H / Hkv query heads of a kv head are G queries of that head.
         Hkv = k.shape[2]
         G = H // Hkv
+        q = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
+        keys, values = k_cache.transpose(1, 2).to(q.dtype), v_cache.transpose(1, 2).to(q.dtype)  # [B, Hkv, S, D]
         out = torch.empty_like(q)
         for r0, r1, mask in step.groups:
             S = mask.shape[-1]
-            qg = q[r0:r1].view(-1, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(-1, Hkv, G * T, D)
-            keys = k_cache[r0:r1, :S].transpose(1, 2).to(q.dtype)                 # [b, Hkv, S, D]
-            values = v_cache[r0:r1, :S].transpose(1, 2).to(q.dtype)
-            o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)    # [b, Hkv, G*T, D]
-            out[r0:r1] = o.view(-1, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(-1, T, H, D)
-        return out                                                                 # [B, T, H, D]
+            out[r0:r1] = F.scaled_dot_product_attention(q[r0:r1], keys[r0:r1, :, :S], values[r0:r1, :, :S],
+                                                        attn_mask=mask)
+        return out.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H, D)
 
     def _flash(self, q, k, v, step: Step, cache):
         # flash-attn itself refuses CPU tensors and fp32 with a clear message
