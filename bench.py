@@ -668,6 +668,9 @@ def bench_engine(args: list) -> None:
     included; transformers gets left-padded prompts and an attention mask. "same tokens" = rows where
     both agree (padding changes fp rounding, so a near-tie may flip; fewer in bf16). --repeats N: timed
     runs per engine, interleaved, the best kept; --threads 1 --clock cpu: steadier on a shared CPU.
+    --breakdown: a second table of where the time goes: prefill s and decode ms/step of both engines,
+    and the part of our decode step spent in the weight matmuls alone (both engines must run them: on a
+    CPU they bound how far any engine can get ahead at small batch).
         python bench.py engine [--quick] [--models qwen3,qwen3_5,smollm2] [--batch-sizes 8,32] [--new-tokens 128]
         python bench.py engine --device cuda --check     # flash-attn vs SDPA (bf16) first"""
     import importlib.util
@@ -676,7 +679,7 @@ def bench_engine(args: list) -> None:
     from generate import generate
     a = flags(args, "engine", device=("cpu", "cuda"), check=False, models="qwen3,qwen3_5,smollm2",
               batch_sizes="8,32", min_prompt=32, max_prompt=512, new_tokens=128, quick=False, repeats=1,
-              threads=0, clock=("wall", "cpu"), seed=0)
+              threads=0, clock=("wall", "cpu"), seed=0, breakdown=False)
     if a.quick:
         a.batch_sizes, a.max_prompt, a.new_tokens = "8", 128, 32
     models = [m for m in a.models.split(",") if m]
@@ -691,6 +694,7 @@ def bench_engine(args: list) -> None:
         torch.set_num_threads(a.threads)
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
+    clock = time.process_time if a.clock == "cpu" else time.perf_counter
 
     def ours_run(model, prompts, n):
         return [o.tokens for o in generate(model, prompts, max_new_tokens=n, temperature=0)]
@@ -706,7 +710,7 @@ def bench_engine(args: list) -> None:
     print(f"engine: device {a.device} ({dtype}), threads {torch.get_num_threads()}, {a.clock} clock, prompts "
           f"{a.min_prompt}-{a.max_prompt} tokens, {a.new_tokens} new tokens, greedy\n", flush=True)
     header = ["model", "params", "batch", "our tok/s", "transformers tok/s", "ratio", "same tokens"]
-    checks, rows = [], []
+    checks, rows, parts = [], [], []
     with tempfile.TemporaryDirectory() as workdir:
         for name in models:
             ours, hf = model_pair(name, a.device, dtype, workdir)
@@ -723,12 +727,15 @@ def bench_engine(args: list) -> None:
                 (our_s, _), (hf_s, _) = interleaved_times(
                     [lambda: out.update(ours=ours_run(ours, prompts, a.new_tokens)),
                      lambda: out.update(hf=hf_run(hf, prompts, a.new_tokens))], a.repeats, sync, warmup=False,
-                    clock=time.process_time if a.clock == "cpu" else time.perf_counter)
+                    clock=clock)
                 n = batch * a.new_tokens
                 same = sum(x == y for x, y in zip(out["ours"], out["hf"])) / batch
                 rows.append([name, f"{sum(p.numel() for p in ours.parameters()) / 1e6:.0f}M", batch,
                              f"{n / our_s:.0f}", f"{n / hf_s:.0f}", f"{hf_s / our_s:.2f}x", f"{same:.2f}"])
                 print(md_table(header, rows[-1:]).splitlines()[-1], flush=True)  # progress: the table comes last
+                if a.breakdown:
+                    parts.append([name, batch] + engine_breakdown(ours, hf, prompts, a.new_tokens, ours_run, hf_run,
+                                                                  sync, clock))
             del ours, hf
     if checks:
         print("\nflash-attn vs SDPA (bf16; diffs are max |Δlogit| / max |logit|)\n")
@@ -736,6 +743,36 @@ def bench_engine(args: list) -> None:
                         "check"], [r for r, _ in checks]))
         print(f"\nflash-attn check: {'PASS' if all(ok for _, ok in checks) else 'FAIL'}")
     print("\n" + md_table(header, rows))
+    if parts:
+        print("\nwhere the time goes (decode = (time for 1 + k tokens - time for 1) / k; ceiling = the ratio if "
+              "our decode step were its weight matmuls alone)\n")
+        print(md_table(["model", "batch", "our prefill s", "transformers prefill s", "our decode ms/step",
+                        "transformers decode ms/step", "our weight matmuls ms/step", "ceiling"], parts))
+
+
+def engine_breakdown(ours, hf, prompts, new_tokens, ours_run, hf_run, sync, clock, k=32) -> list:
+    """Prefill and per-step decode times of both engines, and of our weight matmuls alone (every Linear
+    once on a batch-sized input, under inference_mode as in generation): one row of the breakdown table."""
+    import torch
+
+    def best(fn, repeats=2):  # the timed runs before this one warmed both engines up
+        return interleaved_times([fn], repeats, sync, warmup=False, clock=clock)[0][0]
+
+    our_prefill, hf_prefill = best(lambda: ours_run(ours, prompts, 1)), best(lambda: hf_run(hf, prompts, 1))
+    our_step = (best(lambda: ours_run(ours, prompts, 1 + k)) - our_prefill) / k
+    hf_step = (best(lambda: hf_run(hf, prompts, 1 + k)) - hf_prefill) / k
+    linears = [m for m in ours.modules() if isinstance(m, torch.nn.Linear)]
+    p = next(ours.parameters())
+    inputs = [torch.randn(len(prompts), m.in_features, device=p.device, dtype=p.dtype) for m in linears]
+
+    @torch.inference_mode()
+    def matmuls():
+        for m, x in zip(linears, inputs):
+            m(x)
+    gemm = best(matmuls, repeats=10)
+    hf_total, ceiling_total = hf_prefill + new_tokens * hf_step, our_prefill + new_tokens * gemm
+    return [f"{our_prefill:.2f}", f"{hf_prefill:.2f}", f"{our_step * 1e3:.1f}", f"{hf_step * 1e3:.1f}",
+            f"{gemm * 1e3:.1f}", f"{hf_total / ceiling_total:.2f}x"]
 
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H20": 148e12, "A100": 312e12, "L40": 181e12, "A10": 125e12}

@@ -240,3 +240,15 @@ def test_component_subcommands_print_tables(capsys):
     assert oracle.endswith("| 1.000 |"), "the oracle scores 1 on every task"
     with pytest.raises(SystemExit, match="--models"):
         bench.main(["engine", "--models", "gpt2"])
+
+
+def test_engine_bench_runs_with_breakdown(capsys):
+    # the speed table and the breakdown on a tiny setting: same greedy tokens from both engines
+    bench.main(["engine", "--models", "qwen3", "--batch-sizes", "2", "--max-prompt", "40", "--new-tokens", "4",
+                "--breakdown"])
+    out = capsys.readouterr().out
+    row = next(l for l in out.splitlines() if l.startswith("| qwen3 | 29M | 2 |"))
+    assert row.endswith("| 1.00 |"), row
+    parts = next(l for l in out.splitlines() if l.startswith("| qwen3 | 2 |"))
+    cells = [c.strip() for c in parts.strip("|").split("|")]
+    assert len(cells) == 8 and all(float(c.rstrip("x")) > 0 for c in cells[2:])
