@@ -477,8 +477,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size=64):
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
         g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
     N = (T + pad) // C
-    q, k, v = (x.reshape(B, H, N, C, -1) for x in (q, k, v))
-    g, beta = g.reshape(B, H, N, C), beta.reshape(B, H, N, C)
+    # chunk-major [N, B, H, C, d]: each step of the walk below multiplies contiguous blocks
+    q, k, v = (x.reshape(B, H, N, C, -1).permute(2, 0, 1, 3, 4).contiguous() for x in (q, k, v))
+    g, beta = (x.reshape(B, H, N, C).permute(2, 0, 1, 3).contiguous() for x in (g, beta))
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
     g_cum = g.cumsum(-1)                                                  # log decay from chunk start to i
     g_exp = g_cum.exp()[..., None]
@@ -491,12 +492,13 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size=64):
     attn = (q @ k.transpose(-1, -2)) * decay                               # intra-chunk q.k, causal, decayed
     q_dec = q * g_exp                                                     # q reads the state decayed to i
     k_dec = k * (g_cum[..., -1:] - g_cum).exp()[..., None]                # k's write decays to chunk end
-    chunk_decay = g_cum[..., -1].exp()[..., None, None]                   # [B, H, N, 1, 1]
+    k_dec = k_dec.transpose(-1, -2).contiguous()                          # [N, B, H, dk, C]
+    chunk_decay = g_cum[..., -1].exp()[..., None, None]                   # [N, B, H, 1, 1]
     out = []
     for n in range(N):
-        v_new = u[:, :, n] - w[:, :, n] @ state                           # corrections net of what S predicts
-        out.append(q_dec[:, :, n] @ state + attn[:, :, n] @ v_new)
-        state = state * chunk_decay[:, :, n] + k_dec[:, :, n].transpose(-1, -2) @ v_new
+        v_new = u[n] - w[n] @ state                                       # corrections net of what S predicts
+        out.append(q_dec[n] @ state + attn[n] @ v_new)
+        state = state * chunk_decay[n] + k_dec[n] @ v_new
     return torch.stack(out, dim=2).reshape(B, H, N * C, -1)[:, :, :T], state
 
 
