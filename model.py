@@ -331,10 +331,12 @@ class Linear(nn.Linear):
         w = self.weight
         if not torch.is_inference_mode_enabled() or w.device.type != "cpu" or _distributed():
             return F.linear(x, w, self.bias)
-        version = (w.data_ptr(), w._version)
-        if getattr(self, "_w_t", None) is None or self._w_t[0] != version:
-            self._w_t = (version, w.detach().t().contiguous())
-        out = x @ self._w_t[1]
+        # (the weight the copy was made from, its version then, the copy); holding the weight keeps its
+        # memory from being reused by a new weight at the same address
+        made = getattr(self, "_w_t", None)
+        if made is None or made[0].data_ptr() != w.data_ptr() or made[1] != w._version:
+            made = self._w_t = (w.detach(), w._version, w.detach().t().contiguous())
+        out = x @ made[2]
         return out if self.bias is None else out + self.bias
 
 

@@ -184,6 +184,12 @@ def test_inference_mode_logits_follow_weight_updates():
         fast_after = model(x)
     assert max_diff(fast, plain) <= 1e-5 and max_diff(fast_after, plain_after) <= 1e-5
     assert max_diff(fast, fast_after) > 1e-2
+    # a weight replaced outright (new storage, version 0), as module.to() or an assigning load does
+    model.layers[0].mlp.up_proj.weight.data = torch.randn_like(model.layers[0].mlp.up_proj.weight) * 0.1
+    with torch.no_grad():
+        plain = model(x)
+    with torch.inference_mode():
+        assert max_diff(model(x), plain) <= 1e-5
 
 
 def test_row_groups():
