@@ -38,7 +38,7 @@ import re
 
 import numpy as np
 
-from envs import MEMORY_DIR, Task, Workspace
+from envs import MEMORY_DIR, ShellTaskEnv, Task, Workspace
 
 SUCCESS_THRESHOLD = 0.5
 NUM_TRAIN, NUM_VAL, NUM_TEST, NUM_COLUMNS = 1500, 500, 1000, 8
@@ -155,7 +155,9 @@ def to_csv(X, y=None) -> str:
 
 # --- the environment
 
-class AutoResearchEnv:
+class AutoResearchEnv(ShellTaskEnv):
+    VALID_FORMS = VALID_FORMS                # shown after an invalid action
+    OUT_OF_ACTIONS = "nothing evaluated"
     def __init__(self, seed: int = 0, num_train_groups: int = 16, num_test_groups: int = 11,
                  tasks_per_group: int = 12, max_steps: int = 20, run_timeout: float = 20.0):
         assert tasks_per_group % 3 == 0, "tasks_per_group must be a multiple of 3 (one third per difficulty)"
@@ -173,13 +175,6 @@ class AutoResearchEnv:
         self._built = {}  # task id -> (files, hidden test labels, baseline, reference); built on first reset
         self.workspace = Workspace(run_timeout, obs_chars=2000, keep_tail=True, say_timeout=True)
         self.task, self.info, self.done = None, {}, True
-
-    def tasks(self, split: str) -> list[Task]:
-        assert split in self._tasks, f"split must be 'train' or 'test', got {split!r}"
-        return list(self._tasks[split])
-
-    def clone(self):
-        return AutoResearchEnv(**self.config)
 
     def build(self, task: Task):
         """Dataset, workspace files, hidden labels and the two reference accuracies of one task."""
@@ -211,21 +206,6 @@ class AutoResearchEnv:
             self._built[task.id] = (files, test_y, baseline, reference)
         return self._built[task.id]
 
-    # --- workspace (files are the memory; the logic lives in envs.Workspace)
-
-    @property
-    def workdir(self):
-        return self.workspace.workdir
-
-    def memory_files(self) -> dict:
-        return self.workspace.memory_files()
-
-    def set_memory_files(self, files: dict) -> None:
-        self.workspace.set_memory_files(files)
-
-    def close(self):
-        self.workspace.close()
-
     # --- episode
 
     def reset(self, task: Task) -> str:
@@ -244,32 +224,7 @@ class AutoResearchEnv:
                 f"Files: README.md train.py data/train.csv data/val.csv data/test.csv\n{ACTIONS_LINE}\n"
                 f"Memory folder: {MEMORY_DIR}/ (kept across tasks)")
 
-    def step(self, action: str):
-        assert self.task is not None, "call reset(task) before step()"
-        if self.done:
-            return "The episode is over; call reset().", 0.0, True
-        self.steps += 1
-        self.info["steps"] = self.steps
-        obs, reward = self._act((action or "").strip()), 0.0
-        if isinstance(obs, tuple):  # an evaluation: (observation, reward)
-            obs, reward = obs
-            self.done = True
-        if not self.done and self.steps >= self.max_steps:
-            self.done = True
-            obs += f"\nOut of actions ({self.max_steps}); nothing evaluated, reward 0."
-        return obs, reward, self.done
-
-    def _invalid(self, why: str) -> str:
-        self.info["num_invalid"] += 1
-        return f"{why}\n{VALID_FORMS}"
-
     def _act(self, action: str):
-        m = re.match(r"(?:shell|shell_command)\s*:\s*(.*)$", action, re.S | re.I)
-        if m:
-            if not m.group(1).strip():
-                return self._invalid("Empty shell command.")
-            self.info["num_shell"] += 1
-            return self.workspace.shell(m.group(1).strip())
         if re.fullmatch(r"run(\[\])?", action, re.I):
             self.info["num_runs"] += 1
             return self.workspace.shell("python train.py")

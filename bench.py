@@ -47,13 +47,13 @@ import os
 import statistics
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field, fields
 from itertools import accumulate
 from pathlib import Path
 
 from tqdm import tqdm
+
+from judge import chat  # the OpenAI-compatible HTTP client (the judge uses it too)
 
 STREAMS = ("alchemy", "codebase19", "codebase26", "codebase27", "camg")
 CAMG_ENVS = ("shop", "coding", "deepresearch", "autoresearch")
@@ -138,40 +138,6 @@ def parse_config(argv: list) -> Config:
 
 # -----------------------------------------------------------------------------
 # the API agent: an OpenAI-compatible chat endpoint behind the scripted-policy interface
-
-class ApiError(RuntimeError):
-    pass
-
-
-def chat(url, model, messages, *, key_env="OPENAI_API_KEY", timeout=60.0, retries=3, backoff=1.0,
-         max_tokens=512, temperature=0.0) -> str:
-    """POST {url}/chat/completions -> the reply text. Timeouts, connection errors, 429/5xx and
-    malformed replies are retried after backoff * 2^i s; other 4xx fail at once. Raises ApiError."""
-    url = url.rstrip("/")
-    url += "" if url.endswith("/chat/completions") else "/chat/completions"
-    body = json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens,
-                       "temperature": temperature}).encode()
-    headers = {"Content-Type": "application/json"}
-    if os.environ.get(key_env):
-        headers["Authorization"] = f"Bearer {os.environ[key_env]}"
-    error = ""
-    for i in range(retries + 1):
-        if i:
-            time.sleep(backoff * 2 ** (i - 1))
-        try:
-            req = urllib.request.Request(url, data=body, headers=headers, method="POST")
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                return json.loads(resp.read().decode())["choices"][0]["message"]["content"] or ""
-        except urllib.error.HTTPError as e:  # before URLError: it is one
-            error = f"HTTP {e.code}"
-            if e.code != 429 and e.code < 500:
-                raise ApiError(f"{error} from {url} (not retried)") from None
-        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
-            error = f"{type(e).__name__}: {e}"
-        except (ValueError, KeyError, IndexError, TypeError) as e:  # JSONDecodeError is a ValueError
-            error = f"malformed reply: {e!r}"
-    raise ApiError(f"{url} failed {retries + 1} times; last error: {error}")
-
 
 @dataclass
 class ApiAgent:

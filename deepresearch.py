@@ -33,14 +33,13 @@ Simplified on purpose: templated sentences, no paraphrase or conflicting sources
 """
 
 import functools
-import math
 import re
 import string
 from collections import Counter
 
 import numpy as np
 
-from envs import MEMORY_DIR, Task, Workspace
+from envs import BM25, MEMORY_DIR, ShellTaskEnv, Task, Workspace, tokenize
 
 SYLLABLES = ["ka", "vel", "dor", "mi", "ra", "tan", "sil", "bo", "ren", "gal", "thu", "lio", "fe",
              "nor", "ush", "ve", "pra", "zel", "mo", "ir", "ca", "den", "lu", "sor", "qua", "bri",
@@ -85,39 +84,6 @@ def answer_reward(prediction: str, gold: str, partial_credit: float = 0.5) -> tu
     em = float(normalize_answer(prediction) == normalize_answer(gold))
     f1 = f1_score(prediction, gold)
     return (1.0 if em else partial_credit * f1), {"em": em, "f1": f1}
-
-
-# --- search: Okapi BM25 with an inverted index of numpy arrays
-
-def tokenize(text: str) -> list[str]:
-    return re.findall(r"[a-z0-9]+", text.lower())
-
-
-class BM25:
-    def __init__(self, docs: list[str], k1: float = 1.5, b: float = 0.75):
-        toks = [tokenize(d) for d in docs]
-        lengths = np.array([len(t) for t in toks], dtype=np.float64)       # [N]
-        norm = k1 * (1 - b + b * lengths / max(lengths.mean(), 1.0))        # [N] length penalty
-        postings: dict[str, list] = {}
-        for i, t in enumerate(toks):
-            for term, tf in Counter(t).items():
-                postings.setdefault(term, []).append((i, tf))
-        self.num_docs = len(docs)
-        self.index = {}  # term -> (doc ids [n], per-doc weight [n]); query time is one add per term
-        for term, pl in postings.items():
-            ids = np.array([p[0] for p in pl])
-            tf = np.array([p[1] for p in pl], dtype=np.float64)
-            idf = math.log(1 + (self.num_docs - len(ids) + 0.5) / (len(ids) + 0.5))
-            self.index[term] = (ids, idf * tf * (k1 + 1) / (tf + norm[ids]))
-
-    def search(self, query: str, k: int = 5) -> list[int]:
-        scores = np.zeros(self.num_docs)
-        for term in set(tokenize(query)):
-            if term in self.index:
-                ids, w = self.index[term]
-                scores[ids] += w
-        hits = np.flatnonzero(scores > 0)
-        return hits[np.argsort(-scores[hits], kind="stable")][:k].tolist()
 
 
 # --- the world and its corpus, generated from the seed (cached: clones share them)
@@ -226,7 +192,9 @@ def make_question(rng, ents: dict, start: str, hops: int):
 
 # --- the environment
 
-class DeepResearchEnv:
+class DeepResearchEnv(ShellTaskEnv):
+    VALID_FORMS = VALID_FORMS                # shown after an invalid action
+    OUT_OF_ACTIONS = "no answer"
     def __init__(self, seed: int = 0, num_countries: int = 30, people_per_country: int = 25,
                  num_test_regions: int = 11, tasks_per_region: int = 12, max_steps: int = 20,
                  partial_credit: float = 0.5, shell_timeout: float = 10.0):
@@ -262,28 +230,6 @@ class DeepResearchEnv:
                 k += 1
         return tasks
 
-    def tasks(self, split: str) -> list[Task]:
-        assert split in self._tasks, f"split must be 'train' or 'test', got {split!r}"
-        return list(self._tasks[split])
-
-    def clone(self):
-        return DeepResearchEnv(**self.config)
-
-    # --- workspace (files are the memory; the logic lives in envs.Workspace)
-
-    @property
-    def workdir(self):
-        return self.workspace.workdir
-
-    def memory_files(self) -> dict:
-        return self.workspace.memory_files()
-
-    def set_memory_files(self, files: dict) -> None:
-        self.workspace.set_memory_files(files)
-
-    def close(self):
-        self.workspace.close()
-
     # --- episode
 
     def reset(self, task: Task) -> str:
@@ -295,32 +241,7 @@ class DeepResearchEnv:
         return (f"Question: {task.data['question']}\n{ACTIONS_LINE}\n"
                 f"Corpus: {len(self.docs)} documents. Memory folder: {MEMORY_DIR}/ (kept across tasks)")
 
-    def step(self, action: str):
-        assert self.task is not None, "call reset(task) before step()"
-        if self.done:
-            return "The episode is over; call reset().", 0.0, True
-        self.steps += 1
-        self.info["steps"] = self.steps
-        obs, reward = self._act((action or "").strip()), 0.0
-        if isinstance(obs, tuple):  # an answer: (observation, reward)
-            obs, reward = obs
-            self.done = True
-        if not self.done and self.steps >= self.max_steps:
-            self.done = True
-            obs += f"\nOut of actions ({self.max_steps}); no answer, reward 0."
-        return obs, reward, self.done
-
-    def _invalid(self, why: str) -> str:
-        self.info["num_invalid"] += 1
-        return f"{why}\n{VALID_FORMS}"
-
     def _act(self, action: str):
-        m = re.match(r"(?:shell|shell_command)\s*:\s*(.*)$", action, re.S | re.I)
-        if m:
-            if not m.group(1).strip():
-                return self._invalid("Empty shell command.")
-            self.info["num_shell"] += 1
-            return self.workspace.shell(m.group(1).strip())
         m = re.fullmatch(r"(search|open|answer)\[(.*)\]", action, re.S | re.I)
         if not m:
             return self._invalid(f"Unknown action {action[:80]!r}.")

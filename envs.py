@@ -25,11 +25,17 @@ The contract every environment keeps (each lives in its own file, one concept pe
   `reset()` on the same instance, so files written in one task of a stream are there for the next.
   `memory_files()` returns it as {relative path: text}; `set_memory_files(files)` replaces it
   (blanking and shuffling memory for the ablations go through these two). `Workspace` below
-  implements this once for the shell envs.
+  implements this once for the shell envs; `ShellTaskEnv` holds the step loop that Shop,
+  DeepResearch and AutoResearch share, and `BM25` the search of the two text environments.
 """
 
+import math
+import re
 import shutil
+from collections import Counter
 from dataclasses import dataclass, field
+
+import numpy as np
 
 MEMORY_DIR = ".agent_memory"
 
@@ -116,6 +122,106 @@ class Workspace:
         if self.sandbox is not None:
             self.sandbox.close()
             self.sandbox = None
+
+
+class ShellTaskEnv:
+    """The episode loop CAMG's Shop, DeepResearch and AutoResearch share. Each step is either
+    `shell: <command>` (run in the task's Workspace) or one of the env's own actions, handled by its
+    `_act(action)`, which returns an observation, or (observation, reward) for the action that ends the
+    task (buy, answer, evaluate). The episode also ends after max_steps actions.
+    A subclass sets self.task, self.done, self.steps and self.info (with num_shell and num_invalid) in
+    reset(), and names its action forms (VALID_FORMS) and what running out means (OUT_OF_ACTIONS); its
+    constructor sets self.config (its arguments, for clone), self._tasks and self.workspace."""
+    VALID_FORMS = "Valid actions: shell: <command>"
+    OUT_OF_ACTIONS = "nothing submitted"
+
+    def tasks(self, split: str) -> list[Task]:
+        assert split in self._tasks, f"split must be 'train' or 'test', got {split!r}"
+        return list(self._tasks[split])
+
+    def clone(self):
+        return type(self)(**self.config)   # same configuration; worlds and catalogues are cached
+
+    # --- the workspace: files are the memory (the logic lives in Workspace)
+
+    @property
+    def workdir(self):
+        return self.workspace.workdir
+
+    def memory_files(self) -> dict:
+        return self.workspace.memory_files()
+
+    def set_memory_files(self, files: dict) -> None:
+        self.workspace.set_memory_files(files)
+
+    def close(self):
+        self.workspace.close()
+
+    # --- the episode
+
+    def step(self, action: str):
+        assert self.task is not None, "call reset(task) before step()"
+        if self.done:
+            return "The episode is over; call reset().", 0.0, True
+        self.steps += 1
+        self.info["steps"] = self.steps
+        action = (action or "").strip()
+        shell = re.match(r"(?:shell|shell_command)\s*:\s*(.*)$", action, re.S | re.I)
+        obs, reward = self._shell(shell.group(1).strip()) if shell else self._act(action), 0.0
+        if isinstance(obs, tuple):  # the task's last action: (observation, reward)
+            obs, reward = obs
+            self.done = True
+        if not self.done and self.steps >= self.max_steps:
+            self.done = True
+            obs += f"\nOut of actions ({self.max_steps}); {self.OUT_OF_ACTIONS}, reward 0."
+        return obs, reward, self.done
+
+    def _shell(self, command: str) -> str:
+        if not command:
+            return self._invalid("Empty shell command.")
+        self.info["num_shell"] += 1
+        return self.workspace.shell(command)
+
+    def _invalid(self, why: str) -> str:
+        self.info["num_invalid"] += 1
+        return f"{why}\n{self.VALID_FORMS}"
+
+    def _act(self, action: str):
+        raise NotImplementedError
+
+
+# --- search for the text environments: Okapi BM25 with an inverted index of numpy arrays
+
+def tokenize(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
+class BM25:
+    def __init__(self, docs: list[str], k1: float = 1.5, b: float = 0.75):
+        toks = [tokenize(d) for d in docs]
+        lengths = np.array([len(t) for t in toks], dtype=np.float64)       # [N]
+        norm = k1 * (1 - b + b * lengths / max(lengths.mean(), 1.0))        # [N] length penalty
+        postings: dict[str, list] = {}
+        for i, t in enumerate(toks):
+            for term, tf in Counter(t).items():
+                postings.setdefault(term, []).append((i, tf))
+        self.num_docs = len(docs)
+        self.index = {}  # term -> (doc ids [n], per-doc weight [n]); query time is one add per term
+        for term, pl in postings.items():
+            ids = np.array([p[0] for p in pl])
+            tf = np.array([p[1] for p in pl], dtype=np.float64)
+            idf = math.log(1 + (self.num_docs - len(ids) + 0.5) / (len(ids) + 0.5))
+            self.index[term] = (ids, idf * tf * (k1 + 1) / (tf + norm[ids]))
+
+    def search(self, query: str, k: int) -> list[int]:
+        """The ids of the k best documents with any query term, best first (ties: document order)."""
+        scores = np.zeros(self.num_docs)
+        for term in set(tokenize(query)):
+            if term in self.index:
+                ids, w = self.index[term]
+                scores[ids] += w
+        hits = np.flatnonzero(scores > 0)
+        return hits[np.argsort(-scores[hits], kind="stable")][:k].tolist()
 
 
 def make(name: str, **kwargs):

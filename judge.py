@@ -194,44 +194,52 @@ def local_complete(model, tokenizer, max_new_tokens=128):
     return complete
 
 
+class ApiError(RuntimeError):
+    """An OpenAI-compatible endpoint failed for good (after its retries, or a 4xx at once)."""
+
+
+def chat(url, model, messages, *, key_env="OPENAI_API_KEY", timeout=60.0, retries=3, backoff=1.0,
+         max_tokens=512, temperature=0.0) -> str:
+    """POST {url}/chat/completions -> the reply text. Timeouts, connection errors, 429/5xx and
+    malformed replies are retried after backoff * 2^i s; other 4xx fail at once. Raises ApiError."""
+    url = url.rstrip("/")
+    url += "" if url.endswith("/chat/completions") else "/chat/completions"
+    body = json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens,
+                       "temperature": temperature}).encode()
+    headers = {"Content-Type": "application/json"}
+    if os.environ.get(key_env):
+        headers["Authorization"] = f"Bearer {os.environ[key_env]}"
+    error = ""
+    for i in range(retries + 1):
+        if i:
+            time.sleep(backoff * 2 ** (i - 1))
+        try:
+            req = urllib.request.Request(url, data=body, headers=headers, method="POST")
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return json.loads(resp.read().decode())["choices"][0]["message"]["content"] or ""
+        except urllib.error.HTTPError as e:  # before URLError: it is one
+            error = f"HTTP {e.code}"
+            if e.code != 429 and e.code < 500:
+                raise ApiError(f"{error} from {url} (not retried)") from None
+        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+            error = f"{type(e).__name__}: {e}"
+        except (ValueError, KeyError, IndexError, TypeError) as e:  # JSONDecodeError is a ValueError
+            error = f"malformed reply: {e!r}"
+        log.warning("chat try %d/%d failed: %s", i + 1, retries + 1, error)
+    raise ApiError(f"gave up after {retries + 1} tries ({url}); last error: {error}")
+
+
+
 def openai_complete(base_url, model, api_key_env="OPENAI_API_KEY", timeout=60.0, retries=3,
                     backoff=1.0, max_tokens=256, temperature=0.0):
     """complete(prompt) -> str over an OpenAI-compatible `POST {base_url}/chat/completions`
-    (base_url like "http://127.0.0.1:8000/v1"). The API key is read from $api_key_env at call
-    time; if unset no Authorization header is sent (local vLLM/llama.cpp servers need none).
-    Timeouts, connection errors, 429 and 5xx are retried `retries` times after sleeping
-    backoff · 2^i seconds; other 4xx fail at once. Raises RuntimeError when it gives up
-    (LLMJudge turns that into a logged fallback)."""
-    url = base_url.rstrip("/")
-    if not url.endswith("/chat/completions"):
-        url += "/chat/completions"
-
+    (base_url like "http://127.0.0.1:8000/v1"), through chat() above: the API key is read from
+    $api_key_env at call time (unset: no Authorization header; local vLLM/llama.cpp servers need
+    none); failures raise ApiError (a RuntimeError), which LLMJudge turns into a logged fallback."""
     def complete(prompt):
-        body = json.dumps({"model": model, "messages": [{"role": "user", "content": prompt}],
-                           "max_tokens": max_tokens, "temperature": temperature}).encode()
-        headers = {"Content-Type": "application/json"}
-        key = os.environ.get(api_key_env)
-        if key:
-            headers["Authorization"] = f"Bearer {key}"
-        error = ""
-        for i in range(retries + 1):
-            if i:
-                time.sleep(backoff * 2 ** (i - 1))
-            try:
-                req = urllib.request.Request(url, data=body, headers=headers, method="POST")
-                with urllib.request.urlopen(req, timeout=timeout) as resp:
-                    data = json.loads(resp.read().decode("utf-8"))
-                return data["choices"][0]["message"]["content"]
-            except urllib.error.HTTPError as e:
-                error = f"HTTP {e.code} from {url}"
-                if e.code != 429 and e.code < 500:
-                    raise RuntimeError(f"{error} (not retried): {e.read()[:300]!r}") from None
-            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
-                error = f"{type(e).__name__}: {e}"
-            except (KeyError, IndexError, TypeError, json.JSONDecodeError) as e:
-                raise RuntimeError(f"unexpected response shape from {url}: {e!r}") from None
-            log.warning("openai_complete try %d/%d failed: %s", i + 1, retries + 1, error)
-        raise RuntimeError(f"openai_complete gave up after {retries + 1} tries: {error}")
+        return chat(base_url, model, [{"role": "user", "content": prompt}], key_env=api_key_env,
+                    timeout=timeout, retries=retries, backoff=backoff, max_tokens=max_tokens,
+                    temperature=temperature)
 
     return complete
 

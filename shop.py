@@ -41,12 +41,11 @@ by both splits (the shoppers are split, not the products); no human instructions
 import functools
 import math
 import re
-from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 
-from envs import MEMORY_DIR, Task, Workspace
+from envs import BM25, MEMORY_DIR, ShellTaskEnv, Task, Workspace, tokenize
 
 SIZES = ["xs", "s", "m", "l", "xl"]
 COLORS = ["black", "white", "blue", "red", "green", "grey", "navy", "beige", "pink", "yellow"]
@@ -119,39 +118,6 @@ def shop_reward(goal: dict, product: Product, selected: dict) -> tuple[float, di
                     "price_ok": float(price_ok)}
 
 
-# --- search: Okapi BM25 with an inverted index of numpy arrays
-
-def tokenize(text: str) -> list[str]:
-    return re.findall(r"[a-z0-9]+", text.lower())
-
-
-class BM25:
-    def __init__(self, docs: list[str], k1: float = 1.5, b: float = 0.75):
-        toks = [tokenize(d) for d in docs]
-        lengths = np.array([len(t) for t in toks], dtype=np.float64)       # [N]
-        norm = k1 * (1 - b + b * lengths / max(lengths.mean(), 1.0))        # [N] length penalty
-        postings: dict[str, list] = {}
-        for i, t in enumerate(toks):
-            for term, tf in Counter(t).items():
-                postings.setdefault(term, []).append((i, tf))
-        self.num_docs = len(docs)
-        self.index = {}  # term -> (doc ids [n], per-doc weight [n]); query time is one add per term
-        for term, pl in postings.items():
-            ids = np.array([p[0] for p in pl])
-            tf = np.array([p[1] for p in pl], dtype=np.float64)
-            idf = math.log(1 + (self.num_docs - len(ids) + 0.5) / (len(ids) + 0.5))
-            self.index[term] = (ids, idf * tf * (k1 + 1) / (tf + norm[ids]))
-
-    def search(self, query: str, k: int = 50) -> list[int]:
-        scores = np.zeros(self.num_docs)
-        for term in set(tokenize(query)):
-            if term in self.index:
-                ids, w = self.index[term]
-                scores[ids] += w
-        hits = np.flatnonzero(scores > 0)
-        return hits[np.argsort(-scores[hits], kind="stable")][:k].tolist()  # ties: catalogue order
-
-
 # --- catalogue and tasks, generated from the seed (cached: clones share one catalogue)
 
 @functools.lru_cache(maxsize=4)
@@ -213,7 +179,9 @@ def make_goal(rng, products, shopper: dict, difficulty: int) -> dict:
 
 # --- the environment
 
-class ShopEnv:
+class ShopEnv(ShellTaskEnv):
+    VALID_FORMS = VALID_FORMS                # shown after an invalid action
+    OUT_OF_ACTIONS = "nothing bought"
     def __init__(self, seed: int = 0, num_products: int = 1200, num_train_shoppers: int = 24,
                  num_test_shoppers: int = 11, tasks_per_shopper: int = 12, max_steps: int = 20,
                  page_size: int = 5, shell_timeout: float = 10.0):
@@ -244,28 +212,6 @@ class ShopEnv:
                                          group=shopper["id"], split=split, data={"goal": goal, "shopper": shopper}))
         return tasks
 
-    def tasks(self, split: str) -> list[Task]:
-        assert split in self._tasks, f"split must be 'train' or 'test', got {split!r}"
-        return list(self._tasks[split])
-
-    def clone(self):
-        return ShopEnv(**self.config)
-
-    # --- workspace (files are the memory; the logic lives in envs.Workspace)
-
-    @property
-    def workdir(self):
-        return self.workspace.workdir
-
-    def memory_files(self) -> dict:
-        return self.workspace.memory_files()
-
-    def set_memory_files(self, files: dict) -> None:
-        self.workspace.set_memory_files(files)
-
-    def close(self):
-        self.workspace.close()
-
     # --- episode
 
     def reset(self, task: Task) -> str:
@@ -277,37 +223,12 @@ class ShopEnv:
         return (f"Instruction: {self.goal['instruction']}\nPage: search\n{ACTIONS_LINE}\n"
                 f"Memory folder: {MEMORY_DIR}/ (kept across tasks)")
 
-    def step(self, action: str):
-        assert self.task is not None, "call reset(task) before step()"
-        if self.done:
-            return "The episode is over; call reset().", 0.0, True
-        self.steps += 1
-        self.info["steps"] = self.steps
-        obs, reward = self._act((action or "").strip()), 0.0
-        if isinstance(obs, tuple):  # a purchase: (observation, reward)
-            obs, reward = obs
-            self.done = True
-        if not self.done and self.steps >= self.max_steps:
-            self.done = True
-            obs += f"\nOut of actions ({self.max_steps}); nothing bought, reward 0."
-        return obs, reward, self.done
-
-    def _invalid(self, why: str) -> str:
-        self.info["num_invalid"] += 1
-        return f"{why}\n{VALID_FORMS}"
-
     def _act(self, action: str):
-        m = re.match(r"(?:shell|shell_command)\s*:\s*(.*)$", action, re.S | re.I)
-        if m:
-            if not m.group(1).strip():
-                return self._invalid("Empty shell command.")
-            self.info["num_shell"] += 1
-            return self.workspace.shell(m.group(1).strip())
         m = re.fullmatch(r"search\[(.*)\]", action, re.S | re.I)
         if m:
             if not tokenize(m.group(1)):
                 return self._invalid("Empty search query.")
-            self.query, self.results, self.result_page = m.group(1).strip(), self.bm25.search(m.group(1)), 0
+            self.query, self.results, self.result_page = m.group(1).strip(), self.bm25.search(m.group(1), k=50), 0
             self.page = "results"
             return self._results_page()
         if re.fullmatch(r"buy|click\[\s*buy( now)?\s*\]", action, re.I):

@@ -5,6 +5,15 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def run_episode(env, task, policy) -> float:
+    """Play one episode of env with a text policy (obs -> action); the score (sum of rewards)."""
+    obs, total, done = env.reset(task), 0.0, False
+    while not done:
+        obs, r, done = env.step(policy(obs))
+        total += r
+    return total
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: first run converts SmolLM2 GGUF")
 

@@ -9,6 +9,7 @@ import pytest
 
 from autoresearch import (NUM_TEST, SUCCESS_THRESHOLD, TRAIN_SCRIPT, AutoResearchEnv, normalized_score,
                           with_settings)
+from conftest import run_episode
 
 
 @pytest.fixture(scope="module")
@@ -16,14 +17,6 @@ def env():
     e = AutoResearchEnv(seed=0)
     yield e
     e.close()
-
-
-def run_episode(env, task, policy):
-    obs, total, done = env.reset(task), 0.0, False
-    while not done:
-        obs, r, done = env.step(policy(obs))
-        total += r
-    return total
 
 
 def test_normalised_score_hand_cases():

@@ -13,6 +13,7 @@ import pytest
 
 import alchemy
 import bench
+import judge
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -195,7 +196,7 @@ def test_api_success_and_500_then_success(server):
 def test_api_timeout_and_malformed_reply_fail_bounded(server):
     for plan, msg in ((["slow", "slow"], "timed out|Timeout"), (["garbage", "garbage"], "malformed")):
         Stub.plan, t0 = plan, time.time()
-        with pytest.raises(bench.ApiError, match=msg):
+        with pytest.raises(judge.ApiError, match=msg):
             _chat(server)
         assert time.time() - t0 < 3.0
 

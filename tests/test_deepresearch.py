@@ -8,6 +8,7 @@ import re
 import pytest
 
 from deepresearch import PATTERNS, RELATIONS, DeepResearchEnv, answer_reward, f1_score, normalize_answer
+from conftest import run_episode
 
 
 @pytest.fixture
@@ -15,14 +16,6 @@ def env():
     e = DeepResearchEnv(seed=0)
     yield e
     e.close()
-
-
-def run_episode(env, task, policy):
-    obs, total, done = env.reset(task), 0.0, False
-    while not done:
-        obs, r, done = env.step(policy(obs))
-        total += r
-    return total
 
 
 def test_normalisation_and_f1_hand_cases():

@@ -8,7 +8,9 @@ from collections import Counter
 
 import pytest
 
-from shop import BM25, CATEGORIES, Product, ShopEnv, shop_reward, tokenize
+from envs import BM25, tokenize
+from shop import CATEGORIES, Product, ShopEnv, shop_reward
+from conftest import run_episode
 
 
 @pytest.fixture
@@ -16,14 +18,6 @@ def env():
     e = ShopEnv(seed=0)
     yield e
     e.close()
-
-
-def run_episode(env, task, policy):
-    obs, total, done = env.reset(task), 0.0, False
-    while not done:
-        obs, r, done = env.step(policy(obs))
-        total += r
-    return total
 
 
 def jacket(**kw):
@@ -73,7 +67,8 @@ def test_bm25_matches_the_formula():
 
     index = BM25(docs, k1, b)
     for q in ["red jacket", "jacket", "red", "feather hat", "nothing here"]:
-        assert index.search(q) == brute(q), q
+        assert index.search(q, k=50) == brute(q), q
+    assert index.search("red", k=1) == brute("red")[:1]
 
 
 def test_catalogue_and_tasks(env):
