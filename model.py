@@ -614,7 +614,7 @@ class Transformer(nn.Module):
         return_hidden. last_only: only each row's last real position, so [B, 1, vocab] (and [B, 1, D])."""
         B, T = input_ids.shape
         dev = input_ids.device
-        given_lengths = lengths
+        decode = cache is not None and T == 1 and (lengths is None or bool((lengths == 1).all()))
         if lengths is None:
             lengths = torch.full((B,), T, dtype=torch.long, device=dev)
         start = cache.seqlens if cache is not None else torch.zeros(B, dtype=torch.long, device=dev)
@@ -631,8 +631,7 @@ class Transformer(nn.Module):
         positions = start[:, None] + torch.arange(T, device=dev)              # [B, T]
         step = Step(*rope_cos_sin(self.config, positions, x.dtype), lengths, self.attn_impl)
         if cache is not None:
-            self._plan_cache_step(step, cache, positions, decode=T == 1 and (given_lengths is None or
-                                                                         bool((lengths == 1).all())))
+            self._plan_cache_step(step, cache, positions, decode)
         for layer in self.layers:
             if self.gradient_checkpointing and self.training and cache is None:
                 x = checkpoint(layer, x, step, None, use_reentrant=False)
