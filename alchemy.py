@@ -626,3 +626,23 @@ def parse_notes(text: str) -> dict:
                 good[FEATURE_NAMES[words[w][0]]] = w
     blocked = [f"{a} <-> {b}" for a, b in re.findall(r"blocked\s*:?\s*(\w+ \w+ \w+)\s*<->\s*(\w+ \w+ \w+)", text)]
     return {"potions": potions, "good": good, "blocked": blocked}
+
+
+def true_potions(data: dict) -> dict:
+    """The world's true potion effects in the words memories use: colour -> the feature value it gives."""
+    chem = chemistry_of(data)
+    out = {}
+    for c, colour in enumerate(COLOURS):
+        axis, bit = chem.potion_effect(c)               # latent axis = perceptual axis; latent = perceptual ^ flips
+        out[colour] = FEATURES[axis][bit ^ (chem.flips >> axis & 1)]
+    return out
+
+
+def memory_accuracy(memory: str, task: Task) -> tuple:
+    """(accuracy, coverage) of the potion effects a memory states, against the task's true chemistry:
+    accuracy = share of stated effects that are true (None if it states none), coverage = share of the
+    world's 6 effects stated correctly. A diagnostic for logs, never a reward (it reads hidden data)."""
+    stated = parse_notes(memory)["potions"]
+    truth = true_potions(task.data)
+    right = sum(truth[c] == v for c, v in stated.items())
+    return (right / len(stated) if stated else None), right / len(truth)

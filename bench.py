@@ -4,6 +4,7 @@
     python bench.py --policy scripted --streams codebase19,codebase26,codebase27,camg
     python bench.py --policy smollm2 --policy path/to/hf_dir --attempts 4
     OPENAI_API_KEY=... python bench.py --api https://host/v1 --api-model NAME --streams codebase19
+    python bench.py ablations [--seeds 3]                  # RIME's ablation table (trains 3 seeds per variant)
     python bench.py engine | sandbox | envs | ppo | camg [args]   # component speed benchmarks (see below)
 
 What one (policy, stream) cell measures:
@@ -53,7 +54,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from judge import chat  # the OpenAI-compatible HTTP client (the judge uses it too)
+import cli
+from judge import ApiError, chat  # the OpenAI-compatible HTTP client (the judge uses it too)
 
 STREAMS = ("alchemy", "codebase19", "codebase26", "codebase27", "camg")
 CAMG_ENVS = ("shop", "coding", "deepresearch", "autoresearch")
@@ -77,6 +79,8 @@ class Config:
     api_timeout: float = field(default=60.0, metadata={"help": "seconds per API call"})
     api_retries: int = field(default=3, metadata={"help": "API call retries (backoff 1, 2, 4 s ...)"})
     api_max_tokens: int = field(default=512, metadata={"help": "max tokens of one API reply"})
+    api_context: int = field(default=0, metadata={"help": "the endpoint's context in tokens (0 = unknown): "
+                                                          "replies then ask for at most a quarter of it"})
     attempts: int = field(default=2, metadata={"help": "from-scratch tries per task, averaged (paper: 4)"})
     max_turns: int = field(default=4, metadata={"help": "turns per task for local models"})
     max_new_tokens: int = field(default=32, metadata={"help": "tokens per local-model turn"})
@@ -102,9 +106,9 @@ class Config:
         if bad or not self.streams:
             raise ValueError(f"unknown stream {bad or '(none)'}; choose from {', '.join(STREAMS)}")
         for p in self.policy:
-            if p not in ("scripted", "tiny", "smollm2") and not (Path(p) / "config.json").exists():
-                raise ValueError(f"policy {p!r} is neither scripted, tiny, smollm2 nor an HF checkpoint dir "
-                                 f"({Path(p) / 'config.json'} not found)")
+            if p not in ("scripted", "tiny", "smollm2"):
+                cli.check(Path(p).is_dir(), f"policy {p!r} is neither scripted, tiny, smollm2 nor an HF checkpoint dir")
+                cli.check_model_dir(p, option="--policy")
         if bool(self.api) != bool(self.api_model):
             raise ValueError("--api URL and --api-model NAME go together")
         if not isinstance(self.attempts, int) or self.attempts < 1:
@@ -112,25 +116,33 @@ class Config:
         for name in ("max_turns", "max_new_tokens", "writer_tokens", "context", "batch", "camg_tasks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-        if self.stream_len < 0 or self.task_retries < 0 or self.api_retries < 0:
-            raise ValueError("--stream-len, --task-retries and --api-retries must be >= 0")
+        if self.stream_len < 0 or self.task_retries < 0 or self.api_retries < 0 or self.threads < 0:
+            raise ValueError("--stream-len, --task-retries, --api-retries and --threads must be >= 0")
+        if self.api_context < 0:
+            raise ValueError("--api-context must be >= 0 (0 = unknown)")
+        cli.check_number("temperature", self.temperature, lo=0)
+        cli.check_number("api_timeout", self.api_timeout, lo=0, lo_open=True)
+
+
+SPEED_TABLES = """RIME's ablation table (trains and evaluates each variant, resumable):
+  python bench.py ablations [--seeds 3]
+
+component speed tables (each prints a markdown table of ratios against a baseline
+timed side by side in the same process; `python bench.py NAME --help` lists its flags):
+  python bench.py engine    our KV-cache engine vs transformers' generate (--breakdown, --repeats, --device cuda --check)
+  python bench.py sandbox   Sandbox.run overhead vs a bare subprocess
+  python bench.py envs      environment steps/s, codebase reset and grading times
+  python bench.py ppo       learner forward+backward tokens/s vs transformers
+  python bench.py camg      CAMG-RL updates/s with 0, 1, 2 rollout workers"""
 
 
 def parse_config(argv: list) -> Config:
-    """argv -> Config: one --flag per field; list fields repeat; a bad value raises ValueError."""
-    p = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n")[0])
-    for f in fields(Config):
-        flag = "--" + f.name.replace("_", "-")
-        if f.name == "policy":
-            p.add_argument(flag, action="append", help=f.metadata["help"])
-        elif f.name == "streams":
-            p.add_argument(flag, "--stream", action="append", help=f.metadata["help"])
-        elif f.type is bool:
-            p.add_argument(flag, action="store_true", help=f.metadata["help"])
-        else:
-            p.add_argument(flag, type=f.type, default=f.default,
-                           help=f"{f.metadata['help']} (default {f.default})")
-    args = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
+    """argv -> Config: one --flag per field (cli.py's style); list fields repeat; a bad value raises ValueError."""
+    p = cli.parser_for(Config, "bench.py", __doc__.split("\n")[0])
+    p.epilog = SPEED_TABLES
+    p.add_argument("--stream", dest="streams", action="append", help=argparse.SUPPRESS)
+    args = {k: v for k, v in vars(p.parse_args(cli.legacy_spellings(argv, {f.name: f for f in fields(Config)}))).items()
+            if v is not None}
     if "policy" not in args and args.get("api"):
         args["policy"] = []  # --api alone benchmarks just the endpoint
     return Config(**args)
@@ -141,6 +153,14 @@ def parse_config(argv: list) -> Config:
 
 @dataclass
 class ApiAgent:
+    """An OpenAI-compatible endpoint as an agent, with its own chat history per task.
+
+    When the conversation outgrows the endpoint's context (the server says so: ApiError.context_overflow),
+    it does what an agent harness does rather than lose the task: first ask for shorter replies
+    (halving max_tokens down to 64), then drop the oldest turns after the task's first message, and
+    when nothing is left to drop, stop asking: the episode runs out its budget with empty actions
+    and keeps its score so far. `policy.context_log` records each of these; bench.act puts it in
+    the episode's info ("context")."""
     url: str
     model: str
     key_env: str = "OPENAI_API_KEY"
@@ -150,23 +170,56 @@ class ApiAgent:
     max_tokens: int = 512
     temperature: float = 0.0
     traj_chars: int = 4000
+    context: int = 0            # the endpoint's context in tokens, 0 = unknown
 
-    def complete(self, messages) -> str:
+    def __post_init__(self):
+        if self.context:            # never ask for more than a quarter of a small context
+            self.max_tokens = max(16, min(self.max_tokens, self.context // 4))
+
+    def complete(self, messages, max_tokens=None) -> str:
         return chat(self.url, self.model, messages, key_env=self.key_env, timeout=self.timeout,
-                    retries=self.retries, backoff=self.backoff, max_tokens=self.max_tokens,
+                    retries=self.retries, backoff=self.backoff, max_tokens=max_tokens or self.max_tokens,
                     temperature=self.temperature)
+
+    def complete_fitting(self, history: list, state: dict) -> str | None:
+        """complete(history), shortening it on a context overflow (see the class docstring). Edits
+        history and state (the task's max_tokens and its context_log) in place; None once nothing
+        more can be cut. The conversation only grows, so a lowered max_tokens stays for the task."""
+        log = state["context_log"]
+        while True:
+            try:
+                return self.complete(history, state["max_tokens"])
+            except ApiError as e:
+                if not e.context_overflow:
+                    raise
+                if state["max_tokens"] > 64:
+                    state["max_tokens"] = max(64, state["max_tokens"] // 2)
+                    log.append(f"context full: max_tokens -> {state['max_tokens']}")
+                elif len(history) > 3:      # system, the task's first message, ..., the latest observation
+                    del history[2:4]        # the oldest assistant reply and the observation after it
+                    log.append("context full: dropped the oldest turn")
+                else:
+                    log.append(f"context full: episode ended at turn {len(log)} with its score so far")
+                    return None
 
     def actor(self, memory: str):
         """A policy obs -> action for one task, keeping that task's chat history."""
         from rollout import ACTOR_SYSTEM, first_user_turn, parse_action
         history = [{"role": "system", "content": ACTOR_SYSTEM}]
+        state = {"max_tokens": self.max_tokens, "context_log": [], "ended": False}
 
         def policy(obs: str) -> str:
+            if state["ended"]:
+                return ""           # the context cannot hold another turn: the env counts the step
             history.append({"role": "user", "content": first_user_turn(obs, memory) if len(history) == 1 else obs})
-            reply = self.complete(history)
+            reply = self.complete_fitting(history, state)
+            if reply is None:
+                state["ended"] = True
+                return ""
             history.append({"role": "assistant", "content": reply})
             action = parse_action(reply)
             return "" if action is None else action  # no tag: the env answers with its valid forms
+        policy.context_log = state["context_log"]
         return policy
 
     def write(self, episode, old_memory: str) -> str:
@@ -201,7 +254,8 @@ def load_agents(cfg: Config) -> list:
         if p in ("scripted", "api"):
             offline = offline_tokenizer()
             api = ApiAgent(cfg.api, cfg.api_model, cfg.api_key_env, cfg.api_timeout, cfg.api_retries, cfg.backoff,
-                           cfg.api_max_tokens, cfg.temperature, traj_chars=4000) if p == "api" else None
+                           cfg.api_max_tokens, cfg.temperature, traj_chars=4000,
+                           context=cfg.api_context) if p == "api" else None
             agents.append(Agent(f"api:{cfg.api_model}" if api else "scripted", p if p == "scripted" else "api",
                                 tokenizer=offline, api=api))
         elif p == "tiny":
@@ -262,6 +316,8 @@ def act(agent: Agent, envs: list, tasks: list, memories: list, seed: int, cfg: C
     for ep, pol in zip(eps, policies):
         if hasattr(pol, "knowledge"):
             ep.info["knowledge"] = pol.knowledge  # for the scripted writer
+        if getattr(pol, "context_log", None):
+            ep.info["context"] = pol.context_log  # how a context overflow was handled (API agent)
     return eps
 
 
@@ -357,9 +413,10 @@ def run_cell(agent, label, env, tasks, kind, cfg, rows, out, bar):
         row = dict(base, mode=mode, task=task.id, attempt=attempt, failed=ep is None, reason=reason,
                    score=None if ep is None else ep.score, turns=0 if ep is None else ep.num_turns,
                    success=None if ep is None else ep.info.get("success"),
+                   **({"context": ep.info["context"]} if ep is not None and ep.info.get("context") else {}),
                    seconds=round(now - last, 2), **extra)  # wall time since the previous row
         rows[row_key(row)] = row
-        out.write(json.dumps(row) + "\n")
+        out.write(cli.dumps(row) + "\n")
         out.flush()  # the resume point: a row on disk is never recomputed
         bar.update(1)
 
@@ -437,7 +494,9 @@ def render_table(cells: list) -> str:
     lines = ["| policy | stream | cumulative reward | cumulative gain | tasks | failed | source |",
              "|---|---|---:|---:|---:|---:|---|"]
     for c in cells:
-        lines.append(f"| {c.policy} | {c.stream} | {c.reward:.2f} | {c.gain:+.2f} | {c.counted}/{c.total} "
+        # a row with no completed task has no figure, not a 0.00
+        reward, gain = (f"{c.reward:.2f}", f"{c.gain:+.2f}") if c.counted else ("n/a", "n/a")
+        lines.append(f"| {c.policy} | {c.stream} | {reward} | {gain} | {c.counted}/{c.total} "
                      f"| {c.failed} | measured here |")
     for name, reward, gain in PUBLISHED:
         lines.append(f"| {name} † | codebase19 | {reward:.2f} | {gain:+.2f} | 19/19 | - "
@@ -538,10 +597,11 @@ def md_table(header: list, rows: list) -> str:
                      + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
 
 
-def interleaved_times(fns, repeats: int, sync=lambda: None, warmup: bool = True, clock=time.perf_counter) -> list:
-    """(best, median) seconds per call of each fn. Calls are interleaved, in ABBA order, so that drift in the
-    machine's load hits every side alike; an untimed warm-up call each first (allocator, kernels, lazy
-    inits). clock=time.process_time counts this process's CPU time: steadier on a shared CPU."""
+def interleaved_runs(fns, repeats: int, sync=lambda: None, warmup: bool = True, clock=time.perf_counter) -> list:
+    """Seconds of every timed call of each fn: [[t_1, ..., t_repeats] per fn]. Calls are interleaved, in
+    ABBA order, so that drift in the machine's load hits every side alike; an untimed warm-up call each
+    first (allocator, kernels, lazy inits). clock=time.process_time counts this process's CPU time:
+    steadier on a shared CPU."""
     times = [[] for _ in fns]
     for k in range(repeats + warmup):
         for i in (range(len(fns)) if k % 2 == 0 else reversed(range(len(fns)))):
@@ -551,7 +611,12 @@ def interleaved_times(fns, repeats: int, sync=lambda: None, warmup: bool = True,
             sync()
             if k or not warmup:
                 times[i].append(clock() - t0)
-    return [(min(ts), statistics.median(ts)) for ts in times]
+    return times
+
+
+def interleaved_times(fns, repeats: int, sync=lambda: None, warmup: bool = True, clock=time.perf_counter) -> list:
+    """(best, median) seconds per call of each fn, timed by interleaved_runs."""
+    return [(min(ts), statistics.median(ts)) for ts in interleaved_runs(fns, repeats, sync, warmup, clock)]
 
 
 def hf_config(arch: str, quick: bool = False):
@@ -633,7 +698,8 @@ def bench_engine(args: list) -> None:
     stop token (every row makes exactly --new-tokens tokens); tok/s = new tokens / wall time, prefill
     included; transformers gets left-padded prompts and an attention mask. "same tokens" = rows where
     both agree (padding changes fp rounding, so a near-tie may flip; fewer in bf16). --repeats N: timed
-    runs per engine, interleaved, the best kept; --threads 1 --clock cpu: steadier on a shared CPU.
+    runs per engine (default 3), interleaved in ABBA order; the table gives the median tok/s and the median
+    of the per-repeat ratios with their spread (min-max); --threads 1 --clock cpu: steadier on a shared CPU.
     --breakdown: a second table of where the time goes: prefill s and decode ms/step of both engines,
     and the part of our decode step spent in the weight matmuls alone (both engines must run them: on a
     CPU they bound how far any engine can get ahead at small batch).
@@ -644,7 +710,7 @@ def bench_engine(args: list) -> None:
     import torch
     from generate import generate
     a = flags(args, "engine", device=("cpu", "cuda"), check=False, models="qwen3,qwen3_5,smollm2",
-              batch_sizes="8,32", min_prompt=32, max_prompt=512, new_tokens=128, quick=False, repeats=1,
+              batch_sizes="8,32", min_prompt=32, max_prompt=512, new_tokens=128, quick=False, repeats=3,
               threads=0, clock=("wall", "cpu"), seed=0, breakdown=False)
     if a.quick:
         a.batch_sizes, a.max_prompt, a.new_tokens = "8", 128, 32
@@ -675,7 +741,8 @@ def bench_engine(args: list) -> None:
 
     print(f"engine: device {a.device} ({dtype}), threads {torch.get_num_threads()}, {a.clock} clock, prompts "
           f"{a.min_prompt}-{a.max_prompt} tokens, {a.new_tokens} new tokens, greedy\n", flush=True)
-    header = ["model", "params", "batch", "our tok/s", "transformers tok/s", "ratio", "same tokens"]
+    header = ["model", "params", "batch", "our tok/s", "transformers tok/s", f"ratio (median of {a.repeats})",
+              "ratio spread", "same tokens"]
     checks, rows, parts = [], [], []
     with tempfile.TemporaryDirectory() as workdir:
         for name in models:
@@ -690,14 +757,17 @@ def bench_engine(args: list) -> None:
             for batch in [int(b) for b in a.batch_sizes.split(",")]:
                 prompts = ragged_prompts(batch, a.min_prompt, a.max_prompt, ours.config.vocab_size, a.seed)
                 out = {}
-                (our_s, _), (hf_s, _) = interleaved_times(
+                our_t, hf_t = interleaved_runs(
                     [lambda: out.update(ours=ours_run(ours, prompts, a.new_tokens)),
                      lambda: out.update(hf=hf_run(hf, prompts, a.new_tokens))], a.repeats, sync, warmup=False,
                     clock=clock)
+                ratios = [h / o for o, h in zip(our_t, hf_t)]     # each repeat's pair ran back to back
                 n = batch * a.new_tokens
                 same = sum(x == y for x, y in zip(out["ours"], out["hf"])) / batch
                 rows.append([name, f"{sum(p.numel() for p in ours.parameters()) / 1e6:.0f}M", batch,
-                             f"{n / our_s:.0f}", f"{n / hf_s:.0f}", f"{hf_s / our_s:.2f}x", f"{same:.2f}"])
+                             f"{n / statistics.median(our_t):.0f}", f"{n / statistics.median(hf_t):.0f}",
+                             f"{statistics.median(ratios):.2f}x", f"{min(ratios):.2f}-{max(ratios):.2f}x",
+                             f"{same:.2f}"])
                 print(md_table(header, rows[-1:]).splitlines()[-1], flush=True)  # progress: the table comes last
                 if a.breakdown:
                     parts.append([name, batch] + engine_breakdown(ours, hf, prompts, a.new_tokens, ours_run, hf_run,
@@ -984,7 +1054,96 @@ def bench_camg(args: list) -> None:
                     for n, wall, steady, num, lag, lag_max, stale in rows]))
 
 
-SUBCOMMANDS = {"engine": bench_engine, "sandbox": bench_sandbox, "envs": bench_envs, "ppo": bench_ppo,
+# -----------------------------------------------------------------------------
+# the RIME ablation table: python bench.py ablations
+
+# (name, rime.py flags, the paper's direction for its held-out gain)
+ABLATIONS = [
+    ("full RIME", [], "gain > 0"),
+    ("--no-explore", ["--no-explore"], "below full (the paper: negative)"),
+    ("--writer frozen", ["--writer", "frozen"], "about 0"),
+    ("--actor frozen", ["--actor", "frozen"], "below full"),
+    ("--writer decoupled", ["--writer", "decoupled"], "below full (shared weights win)"),
+    ("--order shuffled", ["--order", "shuffled"], "below full"),
+    ("--segment 6 (6+6)", ["--segment", "6"], "above 3+3 (the paper: 6+6 beats 3+3)"),
+]
+
+
+def bench_ablations(args: list) -> None:
+    """Train and evaluate RIME's ablations at the laptop budget, `--seeds` seeds each, and print mean ±
+    std of the held-out gain after RL (and of the RL effect, after minus before) beside the paper's
+    direction. Each run is `python rime.py <flags> --seed S --run-dir <results>/<variant>/seed<S>`, a
+    subprocess of its own, so a run resumes from its checkpoint and a finished run (its summary.json)
+    is never redone: rerun the same command after an interruption. The figures are those rime.py's
+    own evaluation measured on each run's trained policy (its `final/` HF directory). Extra flags after
+    `--` go to every run (e.g. `-- --steps 8`).
+        python bench.py ablations [--seeds 3] [--only "full RIME,--no-explore"] [--results results/ablations]"""
+    import subprocess
+    extra = args[args.index("--") + 1:] if "--" in args else []
+    a = flags(args[: args.index("--")] if "--" in args else args, "ablations", seeds=3,
+              results="results/ablations", only="")
+    chosen = [x for x in ABLATIONS if not a.only or x[0] in [o.strip() for o in a.only.split(",")]]
+    if not chosen or a.seeds < 1:
+        cli.fail("bench.py ablations", f"--only names none of: {', '.join(x[0] for x in ABLATIONS)}"
+                 if not chosen else "--seeds must be >= 1")
+    here = Path(__file__).resolve().parent
+    root = Path(a.results)
+    jobs = [(name, fl, s) for name, fl, _ in chosen for s in range(a.seeds)]
+    results = {}
+    with tqdm(total=len(jobs), desc="ablations") as bar:
+        for name, fl, seed in jobs:
+            run_dir = root / name.split(" (")[0].strip("-").replace(" ", "_") / f"seed{seed}"
+            summary = run_dir / "summary.json"
+            if not summary.exists():
+                run_dir.parent.mkdir(parents=True, exist_ok=True)
+                with open(run_dir.parent / f"seed{seed}.log", "a") as log:
+                    p = subprocess.run([sys.executable, str(here / "rime.py"), *fl, *extra, "--seed", str(seed),
+                                        "--run-dir", str(run_dir)], stdout=log, stderr=subprocess.STDOUT)
+                if p.returncode != 0 or not summary.exists():
+                    tqdm.write(f"{name} seed {seed}: failed (exit {p.returncode}); see {run_dir.parent}/seed{seed}.log")
+                    bar.update(1)
+                    continue
+            results.setdefault(name, []).append(json.loads(summary.read_text())["rl_effect"])
+            bar.update(1)
+
+    def ms(xs):
+        xs = [x for x in xs if x is not None]
+        if not xs:
+            return "n/a"
+        return f"{statistics.mean(xs):+.2f} ± {statistics.stdev(xs) if len(xs) > 1 else 0.0:.2f}"
+    rows = []
+    for name, _, direction in chosen:
+        effs = results.get(name, [])
+        rows.append([name, len(effs), ms([e["gain_after"] for e in effs]), ms([e["delta"] for e in effs]),
+                     direction])
+    table = md_table(["variant", "seeds", "held-out gain after RL (mean ± std)", "RL effect on gain (mean ± std)",
+                      "the paper's direction"], rows)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "table.md").write_text(table + "\n")
+    (root / "results.json").write_text(cli.dumps(results, indent=2))
+    print("\n" + table)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        for i, (name, _, _) in enumerate(chosen):
+            ys = [e["gain_after"] for e in results.get(name, []) if e["gain_after"] is not None]
+            ax.scatter([i] * len(ys), ys, color="C0")
+            if ys:
+                ax.hlines(statistics.mean(ys), i - 0.3, i + 0.3, color="C1")
+        ax.axhline(0, color="grey", lw=0.5)
+        ax.set_xticks(range(len(chosen)), [n for n, _, _ in chosen], rotation=30, ha="right", fontsize=7)
+        ax.set_ylabel("held-out gain after RL")
+        fig.tight_layout()
+        fig.savefig(root / "ablations.png", dpi=120)
+        plt.close(fig)
+    except ImportError:
+        pass
+    print(f"table in {root / 'table.md'}, runs under {root}")
+
+
+SUBCOMMANDS = {"ablations": bench_ablations, "engine": bench_engine, "sandbox": bench_sandbox, "envs": bench_envs, "ppo": bench_ppo,
                "camg": bench_camg}
 
 
@@ -995,7 +1154,7 @@ def main(argv=None):
     try:
         cfg = parse_config(argv)
     except ValueError as e:
-        raise SystemExit(f"bench.py: error: {e}") from None
+        cli.fail("bench.py", str(e))
     return bench(cfg)
 
 

@@ -43,12 +43,12 @@ gamma = lam = 1); worker stream positions are not checkpointed; the environments
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import os
 import pickle
 import random
+import re
 import shutil
 import signal
 import sys
@@ -61,6 +61,7 @@ import torch
 import torch.multiprocessing
 from tqdm import tqdm
 
+import cli
 import envs
 from ppo import Dist, Learner, checkpoint_path, fresh_rows, init_distributed, make_batch, print0
 from rewards import gae
@@ -129,63 +130,63 @@ class Config:
     device: str = ""                # "" = cuda if available, else cpu
 
     def __post_init__(self):
+        check = cli.check
         self.weights = parse_weights(self.env_weights)
         self.eval_modes = [m.strip() for m in self.eval_memory.split(",") if m.strip()]
         bad = [m for m in self.eval_modes if m not in MEMORY_MODES]
-        assert self.eval_modes and not bad, f"--eval_memory: unknown {bad}; choose from {','.join(MEMORY_MODES)}"
-        assert "shuffle" not in self.eval_modes or self.eval_tasks > self.eval_stream_len, \
-            "--eval_memory shuffle needs 2 or more streams: make --eval_tasks larger than --eval_stream_len"
-        assert self.train_memory in ("full", "blank", "continuation"), \
-            f"--train_memory must be full, blank or continuation, not {self.train_memory!r}"
-        assert min(self.steps, self.eta, self.num_workers, self.train_ranks, self.eval_tasks) >= 0, \
-            "--steps, --eta, --num_workers, --train_ranks and --eval_tasks must be >= 0"
-        assert min(self.batch_episodes, self.rollout_batch, self.max_queue, self.max_turns, self.max_new_tokens,
-                   self.eval_stream_len, self.save_every) >= 1, ("--batch_episodes, --rollout_batch, --max_queue, "
-                   "--max_turns, --max_new_tokens, --eval_stream_len and --save_every must be >= 1")
-        assert self.context_budget >= 2 * self.max_new_tokens + 256, (
-            f"--context_budget {self.context_budget} leaves no room for a task prompt and two replies of "
-            f"{self.max_new_tokens} tokens: raise it or lower --max_new_tokens")
-        assert 1 <= self.num_minibatches <= self.batch_episodes, "--num_minibatches must be in [1, batch_episodes]"
-        assert 0 < self.gamma <= 1 and 0 <= self.lam <= 1, "--gamma must be in (0, 1] and --lam in [0, 1]"
-        assert self.worker_timeout_s > 0, "--worker_timeout_s must be > 0"
+        check(self.eval_modes and not bad, f"--eval-memory: unknown {bad}; choose from {','.join(MEMORY_MODES)}")
+        check("shuffle" not in self.eval_modes or self.eval_tasks > self.eval_stream_len,
+              "--eval-memory shuffle needs 2 or more streams: make --eval-tasks larger than --eval-stream-len")
+        check(self.train_memory in ("full", "blank", "continuation"),
+              f"--train-memory must be full, blank or continuation, not {self.train_memory!r}")
+        for name in ("steps", "eta", "num_workers", "train_ranks", "eval_tasks", "eval_every"):
+            check(getattr(self, name) >= 0, f"{cli.flag(name)} must be >= 0, got {getattr(self, name)}")
+        for name in ("batch_episodes", "rollout_batch", "max_queue", "max_turns", "max_new_tokens",
+                     "eval_stream_len", "save_every", "micro_batch_tokens"):
+            check(getattr(self, name) >= 1, f"{cli.flag(name)} must be >= 1, got {getattr(self, name)}")
+        check(self.context_budget >= 2 * self.max_new_tokens + 256,
+              f"--context-budget {self.context_budget} leaves no room for a task prompt and two replies of "
+              f"{self.max_new_tokens} tokens: raise it or lower --max-new-tokens")
+        check(1 <= self.num_minibatches <= self.batch_episodes, "--num-minibatches must be in [1, batch_episodes]")
+        cli.check_number("lr", self.lr, lo=0, lo_open=True)
+        cli.check_number("temperature", self.temperature, lo=0, lo_open=True)
+        cli.check_number("gamma", self.gamma, lo=0, hi=1, lo_open=True)
+        cli.check_number("lam", self.lam, lo=0, hi=1)
+        cli.check_number("worker_timeout_s", self.worker_timeout_s, lo=0, lo_open=True)
+        for name in ("weight_decay", "clip_low", "clip_high", "vf_coef", "kl_coef", "entropy_coef", "max_grad_norm"):
+            cli.check_number(name, getattr(self, name), lo=0)
+        check(re.fullmatch(r"(cpu|cuda(:\d+)?)?", self.device),
+              f"--device must be cpu, cuda or cuda:N (empty = cuda if available), got {self.device!r}")
+        check(not self.device.startswith("cuda") or torch.cuda.is_available(),
+              f"--device {self.device}: no CUDA device on this machine")
+        if not self.model.startswith(("tiny", "smollm2")):
+            cli.check_model_dir(self.model)
 
 
 def parse_weights(text: str) -> dict:
     weights = {}
     for name, _, w in (part.strip().partition("=") for part in text.split(",") if part.strip()):
-        assert name in ENV_NAMES, f"--env_weights: unknown environment {name!r}; use {', '.join(ENV_NAMES)}"
-        assert w.replace(".", "", 1).isdigit(), f"--env_weights: {name}={w} is not name=weight (weight >= 0)"
+        cli.check(name in ENV_NAMES, f"--env-weights: unknown environment {name!r}; use {', '.join(ENV_NAMES)}")
+        cli.check(w.replace(".", "", 1).isdigit(), f"--env-weights: {name}={w} is not name=weight (weight >= 0)")
         weights[name] = float(w)
-    assert sum(weights.values()) > 0, "--env_weights: at least one environment needs a positive weight"
+    cli.check(sum(weights.values()) > 0, "--env-weights: at least one environment needs a positive weight")
     return {n: w for n, w in weights.items() if w > 0}
 
 
 def parse_args(argv=None) -> Config:
-    p = argparse.ArgumentParser(description="CAMG-RL: asynchronous PPO across the four CAMG environments")
-    flag = lambda s: {"true": True, "1": True, "false": False, "0": False}[s.lower()]  # noqa: E731
-    for f in fields(Config):
-        if isinstance(f.default, bool):
-            p.add_argument(f"--{f.name}", nargs="?", const=True, default=f.default, type=flag)
-        else:
-            p.add_argument(f"--{f.name}", type=type(f.default), default=f.default)
-    args = p.parse_args(argv)
-    try:
-        return Config(**vars(args))
-    except AssertionError as e:     # a bad config is a clear error before any work starts
-        p.error(str(e))
+    return cli.parse(Config, argv, prog="camg.py",
+                     description="CAMG-RL: asynchronous PPO across the four CAMG environments")
 
 
 def check_setup(cfg: Config) -> None:
     """What would fail deep inside a run, checked up front with a message saying what to change."""
-    if not cfg.model.startswith(("tiny", "smollm2")) and not (Path(cfg.model) / "config.json").exists():
-        sys.exit(f"camg.py: --model {cfg.model!r} is neither tiny[-arch], smollm2 nor an HF dir with config.json")
     if "coding" in cfg.weights:
         try:
             import codebase
             codebase.require_cache()
         except Exception as e:  # noqa: BLE001 - whatever keeps the coding env from starting
-            sys.exit(f"camg.py: the coding environment cannot start ({e}). Run `python codebase.py fetch`, "
-                     "or leave it out: --env_weights shop=1,coding=0,deepresearch=1,autoresearch=1")
+            cli.fail("camg.py", f"the coding environment cannot start ({e}). Run `python codebase.py fetch`, "
+                     "or leave it out: --env-weights shop=1,coding=0,deepresearch=1,autoresearch=1")
 
 
 def cpu_threads(cfg: Config, num_procs: int) -> int:
@@ -579,7 +580,7 @@ def run_eval(cfg: Config, learner: Learner, tokenizer, step: int, ex: Exchange, 
     run_dir = Path(cfg.run_dir)
     (run_dir / "eval.md").write_text(f"Success (%) on test tasks, greedy (update {step})\n\n{text}\n")
     with open(run_dir / "eval.json", "a") as f:
-        f.write(json.dumps({"update": step, "results": dict(rows)}) + "\n")
+        f.write(cli.dumps({"update": step, "results": dict(rows)}) + "\n")
     return text
 
 
@@ -647,8 +648,8 @@ def learner_main(cfg: Config, d: Dist, num_spawn: int = 0, remote_workers: bool 
     resuming = cfg.resume and checkpoint_path(str(ckpt)) is not None
     saved = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").exists() else {}
     if resuming and saved.get("model", cfg.model) != cfg.model:
-        sys.exit(f"camg.py: {run_dir} holds a checkpoint of --model {saved['model']}, not {cfg.model}: "
-                 "pick another --run_dir, or --resume false to start over")
+        cli.fail("camg.py", f"{run_dir} holds a checkpoint of --model {saved['model']}, not {cfg.model}: "
+                 "pick another --run-dir, or --no-resume to start over")
     if d.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         if not cfg.eval_only:       # evaluating leaves a run's config and logs alone
@@ -701,7 +702,7 @@ def learner_main(cfg: Config, d: Dist, num_spawn: int = 0, remote_workers: bool 
 
     def log(s: Sample, used: str) -> None:  # every episode the learner receives, and what became of it
         if epi_log is not None:
-            epi_log.write(json.dumps({"update": step, "env": s.env, "task": s.task_id, "version": s.version,
+            epi_log.write(cli.dumps({"update": step, "env": s.env, "task": s.task_id, "version": s.version,
                                       "lag": learner.version - s.version, "worker": s.worker, "score": s.score,
                                       "success": s.success, "finish": s.finish, "resets": s.num_resets,
                                       "used": used, "error": s.error}) + "\n")
@@ -732,7 +733,7 @@ def learner_main(cfg: Config, d: Dist, num_spawn: int = 0, remote_workers: bool 
                  "queue": len(ex.queued()), "update_s": time.perf_counter() - t0}
             if d.is_main:
                 with open(run_dir / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps(m) + "\n")
+                    f.write(cli.dumps(m) + "\n")
                 bar.update(1)
                 bar.write(one_line(m) if batch is not None else f"update {step}: no policy token in the batch")
             if step % cfg.save_every == 0 or step == cfg.steps:
@@ -780,7 +781,7 @@ def main(argv=None):
         rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
         num_train = cfg.train_ranks or max(1, world // 2)
         if num_train >= world:
-            sys.exit(f"camg.py: --train_ranks {num_train} leaves no rollout rank among {world}")
+            cli.fail("camg.py", f"--train-ranks {num_train} leaves no rollout rank among {world}")
         device = f"cuda:{local_rank}" if kind == "cuda" else "cpu"
         threads = cpu_threads(cfg, world) if kind == "cpu" else 4
         if rank >= num_train:       # a rollout rank: never joins the train group's collectives

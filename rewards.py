@@ -266,7 +266,7 @@ class ActorAdvantages:
 
 
 def actor_advantages(scores, groups, explore, beta=0.3, mode="advantage", lam=0.1,
-                     normalize_std=True, explore_keeps_group=False, eps=1e-6):
+                     normalize_std=True, explore_keeps_group=True, eps=1e-6):
     """The actor's advantage with RIME's exploration bonus.
 
     scores: task scores; groups: a hashable group id per sample, e.g. (stream, position);
@@ -277,11 +277,12 @@ def actor_advantages(scores, groups, explore, beta=0.3, mode="advantage", lam=0.
         that of a standardised score, so beta = 0.3 is "a third of a std".
     mode "reward" (ablation): r_i = score_i + lam · explore_i, then A = GRPO(r).
 
-    Dropped groups: "groups whose rewards are all equal are dropped", and in "advantage" mode
-    the reward is the task score, so a group that all failed (or all succeeded) is dropped even
-    if its judge scores differ. This is the default on purpose: training such a group on the
-    bonus alone would pay memory churn with no task signal at all. Set explore_keeps_group=True
-    to keep those groups with A = beta · z. In "reward" mode the shaped reward decides.
+    Dropped groups: "groups whose rewards are all equal are dropped". In "advantage" mode the
+    reward is the task score, but a group whose scores are all equal (common early on: all 0) may
+    still differ in what its memories found; that is exactly when exploration "keeps it searching".
+    So by default (explore_keeps_group=True) such a group is kept whenever its judge scores vary,
+    with A = beta · z: the exploration signal alone. explore_keeps_group=False drops it (the strict
+    reading). In "reward" mode the shaped reward decides.
     """
     assert mode in ("advantage", "reward"), f"mode must be 'advantage' or 'reward', got {mode!r}"
     n = len(scores)
@@ -420,6 +421,27 @@ class StreamMetrics:
     cumulative_gain: float       # the difference
     normalized: float            # normalized_score(cumulative_reward, cumulative_scratch, r_max)
     gains: list                  # gain_t = r_with_memory,t − r_from_scratch,t
+
+
+# Student's t two-sided 95% critical values for 1..30 degrees of freedom (beyond: the normal's 1.96)
+_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+        2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+        2.045, 2.042)
+
+
+def mean_ci95(xs):
+    """(mean, lo, hi): the mean and its 95% confidence interval, Student's t over the samples
+    (e.g. held-out streams). One sample has no interval: lo = hi = nan."""
+    xs = [float(x) for x in xs]
+    n = len(xs)
+    if n == 0:
+        return float("nan"), float("nan"), float("nan")
+    m = sum(xs) / n
+    if n == 1:
+        return m, float("nan"), float("nan")
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1))
+    half = (_T95[n - 2] if n - 1 <= len(_T95) else 1.96) * sd / math.sqrt(n)
+    return m, m - half, m + half
 
 
 def stream_metrics(with_memory, from_scratch, r_max=None):

@@ -1,7 +1,7 @@
 """RIME: one model, shared weights, two roles, trained by RL so that its memory makes later tasks
-of a stream go better (RIME, Section 3; DESIGN.md "RIME in detail").
+of a stream go better (RIME, Section 3; the README's "RIME" section).
 
-    python rime.py                                   # laptop: warm start + RL on Symbolic Alchemy (~15 min, 2 CPU cores)
+    python rime.py                                   # laptop: warm start + RL on Symbolic Alchemy (2 CPU cores)
     python rime.py --model tiny --steps 2            # smoke run (< 1 min)
     torchrun --nproc_per_node 8 rime.py --preset paper --model <HF dir> --env codebase   # full scale
 
@@ -16,20 +16,29 @@ The loop, per RL step:
      s[t-K+1..t]) + 0.1 * gate, GRPO over the group at (stream, t); the last memory is dropped;
   4. one PPO step on both roles' tokens with the shared weights.
 
-Before RL, a warm start (imitation of the scripted reference actor and writer, `ppo.sft_loss` in
-the same learner) teaches a small model the action format; it stops when held-out format validity
-reaches `warmstart_threshold`, and is skipped when the model already follows the protocol.
+Before RL, a warm start (`ppo.sft_loss` in the same learner) teaches a small model the protocol. By
+default (--warmstart-mode protocol) it teaches only what a pretrained chat model already knows: the
+action syntax (a random valid actor) and the memory's two-section shape (lines quoted at random from
+the trajectory, generic lessons), no task knowledge; --warmstart-mode imitation imitates the scripted
+reference actor and writer, content included. It stops when held-out format validity reaches
+`warmstart_threshold`, and is skipped when the model already follows the protocol.
 
-Ablations (the paper's table): --no-explore, --writer frozen|decoupled, --order shuffled,
---segment 3, --beta / --explore-mode reward --lam, --k, --judge heuristic|local|openai.
+Evaluation: `eval_streams` held-out 3+3 streams over the test worlds (never a training world), with
+memory and from scratch; summary.json's rl_effect holds the gain before and after RL and the 95% CI
+of their paired difference over the streams. For Alchemy a diagnostic that is not a reward is logged
+too: the share of the potion effects a memory states that are true, and how many of the 6 it states.
 
-Departures from the paper, on purpose: the laptop preset uses a tiny Qwen3.5 warm-started from
-scratch (SmolLM2-135M generates ~40 tok/s here, too slow for RL in 15 minutes: `--model smollm2`
-runs it), groups of 4 instead of 8, 3+3 streams and short episodes. Ranks split the streams and run
-whole groups each, so group statistics never cross ranks; rank 0 evaluates and writes files.
+Ablations (the paper's table): --no-explore, --writer frozen|decoupled, --actor frozen, --order
+shuffled, --segment 6, --beta / --explore-mode reward --lam, --k, --judge heuristic|local|openai;
+`python bench.py ablations` trains and evaluates them with 3 seeds each.
+
+Departures from the paper, on purpose: the laptop preset uses a 1.7M-parameter Qwen3 built by tiny()
+and warm-started from random weights (SmolLM2-135M generates ~40 tok/s here, too slow for RL on a
+laptop: `--model smollm2` runs it), one Alchemy trial per task, groups of 4 instead of 8, 3+3
+streams and short episodes. The README gives its wall time and figures. Ranks split the streams and
+run whole groups each, so group statistics never cross ranks; rank 0 evaluates and writes files.
 """
 
-import argparse
 import copy
 import dataclasses
 import json
@@ -41,6 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
+import cli
 import curriculum
 import envs
 import judge as judges
@@ -74,6 +84,7 @@ class Args:
     lam: float = 0.1                 # weight of explore in the reward form
     no_explore: bool = False         # ablation: no exploration reward (the judge is never called)
     writer: str = "shared"           # shared | frozen (writer = initial weights, not trained) | decoupled (own weights)
+    actor: str = "trained"           # trained | frozen (the actor plays with the weights RL starts from: only the writer trains)
     judge: str = "heuristic"         # heuristic | local (a frozen copy of --judge-model) | openai
     judge_model: str = ""            # local judge checkpoint (default: --model)
     judge_url: str = ""              # OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1
@@ -91,10 +102,13 @@ class Args:
     warmstart_steps: int = -1        # max imitation steps before RL; -1 = auto (150 for small/smollm2/dirs on alchemy, 0 for tiny)
     warmstart_threshold: float = 0.95  # held-out format validity that ends the warm start
     warmstart_lr: float = 3e-3
+    warmstart_mode: str = "protocol"  # protocol (action syntax + memory shape only) | imitation (the scripted agent's content too)
     warmstart_batch: int = 8         # rows per imitation step
     warmstart_streams: int = 48      # scripted streams that make the imitation data
     eval_attempts: int = 2           # from-scratch attempts per task when eval_temperature > 0 (benchmark: 4)
     eval_temperature: float = 0.0    # 0 = greedy evaluation (then one from-scratch attempt is exact)
+    eval_streams: int = 16           # held-out streams over the test worlds (the CI is over streams)
+    eval_segment: int = 3            # tasks per block of a held-out stream (fixed, so --segment ablations share them)
     eval_every: int = 0              # also evaluate every N RL steps (0 = only before and after)
     checkpoint_every: int = 1        # RL steps between checkpoints
     threads: int = 0                 # CPU threads per process; 0 = auto (1 for tiny/small models: their ops are too small to split)
@@ -113,38 +127,39 @@ class Args:
                                     warmstart_steps=0).items():
                 if getattr(self, name) == getattr(Args, name):   # explicit flags win over the preset
                     setattr(self, name, value)
-        checks = [
-            (self.preset in ("laptop", "paper"), f"--preset must be laptop or paper, got {self.preset!r}"),
-            (self.env in ("alchemy", "codebase"), f"--env must be alchemy or codebase (RIME's domains), got {self.env!r}"),
-            (self.model in ("small", "tiny", "smollm2") or os.path.isdir(self.model),
-             f"--model {self.model!r}: not 'small', 'tiny', 'smollm2' or an existing checkpoint directory"),
-            (self.k >= 1, f"--k must be >= 1, got {self.k}"),
-            (self.group_size >= 2, f"--group-size must be >= 2 for group baselines, got {self.group_size}"),
-            (self.segment >= 1 and self.steps >= 0 and self.streams_per_step >= 1, "segment, streams-per-step >= 1 and steps >= 0"),
-            (self.order in ("easy_to_hard", "shuffled"), f"--order must be easy_to_hard or shuffled, got {self.order!r}"),
-            (self.explore_mode in ("advantage", "reward"), "--explore-mode must be advantage or reward"),
-            (self.writer in ("shared", "frozen", "decoupled"), "--writer must be shared, frozen or decoupled"),
-            (self.judge in ("heuristic", "local", "openai"), "--judge must be heuristic, local or openai"),
-            (self.judge != "openai" or (self.judge_url and self.judge_api_model), "--judge openai needs --judge-url and --judge-api-model"),
-            (self.warmstart_steps == 0 or self.env == "alchemy",
-             "the warm start imitates the scripted Alchemy writer: use --warmstart-steps 0 with --env codebase"),
-        ]
-        for ok, msg in checks:
-            if not ok:
-                raise SystemExit(f"rime.py: bad config: {msg}")
+        check = cli.check
+        check(self.preset in ("laptop", "paper"), f"--preset must be laptop or paper, got {self.preset!r}")
+        check(self.env in ("alchemy", "codebase"), f"--env must be alchemy or codebase (RIME's domains), got {self.env!r}")
+        if self.model not in ("small", "tiny", "smollm2"):
+            check(os.path.isdir(self.model), f"--model {self.model!r}: not 'small', 'tiny', 'smollm2' or an existing checkpoint directory")
+            cli.check_model_dir(self.model)
+        check(self.k >= 1, f"--k must be >= 1, got {self.k}")
+        check(self.group_size >= 2, f"--group-size must be >= 2 for group baselines, got {self.group_size}")
+        for name in ("segment", "streams_per_step", "max_turns", "max_new_tokens", "memory_tokens", "traj_chars",
+                     "micro_batch_tokens", "warmstart_batch", "warmstart_streams", "eval_attempts",
+                     "checkpoint_every", "eval_streams", "eval_segment"):
+            check(getattr(self, name) >= 1, f"{cli.flag(name)} must be >= 1, got {getattr(self, name)}")
+        for name in ("steps", "eval_every", "threads", "warmstart_steps"):
+            check(getattr(self, name) >= 0, f"{cli.flag(name)} must be >= 0, got {getattr(self, name)}")
+        for name in ("lr", "warmstart_lr", "temperature"):
+            cli.check_number(name, getattr(self, name), lo=0, lo_open=True)
+        for name in ("kl_coef", "clip_low", "clip_high", "beta", "lam", "eval_temperature"):
+            cli.check_number(name, getattr(self, name), lo=0)
+        cli.check_number("warmstart_threshold", self.warmstart_threshold, lo=0, hi=1)
+        check(self.warmstart_mode in ("protocol", "imitation"), f"--warmstart-mode must be protocol or imitation, got {self.warmstart_mode!r}")
+        check(self.order in ("easy_to_hard", "shuffled"), f"--order must be easy_to_hard or shuffled, got {self.order!r}")
+        check(self.explore_mode in ("advantage", "reward"), "--explore-mode must be advantage or reward")
+        check(self.writer in ("shared", "frozen", "decoupled"), "--writer must be shared, frozen or decoupled")
+        check(self.actor in ("trained", "frozen"), "--actor must be trained or frozen")
+        check(not (self.actor == "frozen" and self.writer != "shared"), "--actor frozen trains only the writer: keep --writer shared")
+        check(self.judge in ("heuristic", "local", "openai"), "--judge must be heuristic, local or openai")
+        check(self.judge != "openai" or (self.judge_url and self.judge_api_model), "--judge openai needs --judge-url and --judge-api-model")
+        check(self.warmstart_steps == 0 or self.env == "alchemy",
+              "the warm start imitates the scripted Alchemy writer: use --warmstart-steps 0 with --env codebase")
 
 
 def parse_args(argv=None) -> Args:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    for f in dataclasses.fields(Args):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type is bool and f.default:      # --resume / --no-resume
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=True)
-        elif f.type is bool:                   # a switch such as --no-explore (store_true: argparse's
-            p.add_argument(flag, action="store_true")   # BooleanOptionalAction reads "--no-x" as False)
-        else:
-            p.add_argument(flag, type=type(f.default), default=f.default)
-    return Args(**vars(p.parse_args(argv)))
+    return cli.parse(Args, argv, prog="rime.py", description=__doc__.split("\n\n")[0])
 
 
 # -----------------------------------------------------------------------------
@@ -199,64 +214,146 @@ def train_streams(env, tasks, args: Args, step: int, rank: int):
     return base, [s for s in base for _ in range(args.group_size)]
 
 
-def eval_stream(env, args: Args):
-    """The held-out stream: easy_to_hard on the first test world / the codebase test stream."""
+def eval_streams(env, args: Args) -> list:
+    """The held-out streams: `eval_streams` easy_to_hard streams over the TEST worlds (never a training
+    world), the worlds taking turns; for codebase the benchmark's 19-issue stream (9 tablib, 10 tenacity)."""
     if args.env == "codebase":
         import codebase
-        return codebase.test_stream()          # the benchmark's 19 issues: 9 tablib, then 10 tenacity
-    tasks = env.tasks("test")
-    first = [t for t in tasks if t.group == tasks[0].group]
-    return curriculum.make_stream(first, order="easy_to_hard", segment=args.segment, seed=12345)
+        return [codebase.test_stream()]
+    return curriculum.make_streams(env.tasks("test"), args.eval_streams, order="easy_to_hard",
+                                   segment=args.eval_segment, seed=12345, tier=args.tier)
 
 
 # -----------------------------------------------------------------------------
-# evaluation: cumulative reward with memory vs from scratch (greedy)
+# evaluation: cumulative reward with memory vs from scratch, over many held-out streams
 
 
-def evaluate(model, tokenizer, env, stream, args: Args, writer_model=None) -> dict:
+def evaluate(model, tokenizer, env, streams, args: Args, writer_model=None) -> dict:
+    """Every held-out stream with memory and from scratch, decoded alike. Per stream: cumulative
+    reward, from-scratch sum, gain. Greedy decoding (the default) needs one from-scratch attempt per
+    task; at eval_temperature > 0 the from-scratch score of a task is the mean of eval_attempts."""
     model.eval()
     kw = dict(temperature=args.eval_temperature, max_turns=args.max_turns, max_new_tokens=args.max_new_tokens)
-    with_mem = rollout.run_streams(model, tokenizer, env, [stream], writer_model=writer_model,
-                                   memory_tokens=args.memory_tokens, traj_chars=args.traj_chars, seed=1, **kw)[0]
-    # from scratch: every task with empty memory, decoded exactly as the run with memory (so the
-    # first task, which has no memory yet, gains 0 by construction); greedy needs one attempt
-    scratch = [[] for _ in stream]
+    with_mem = rollout.run_streams(model, tokenizer, env, streams, writer_model=writer_model,
+                                   memory_tokens=args.memory_tokens, traj_chars=args.traj_chars, seed=1, **kw)
+    flat = [t for s in streams for t in s]
+    scratch = [[] for _ in flat]
     for a in range(args.eval_attempts if args.eval_temperature > 0 else 1):
-        eps = rollout.run_episodes(model, tokenizer, env, stream, memory="", seed=100 + a, **kw)
-        for t, ep in enumerate(eps):
-            scratch[t].append(ep.score)
-    m = rewards.stream_metrics(with_mem.scores, scratch)
-    turns = sum(ep.num_turns for ep in with_mem.episodes)
-    invalid = sum(ep.num_format_errors + int(ep.info.get("invalid", 0)) for ep in with_mem.episodes)
-    return {"cumulative_reward": m.cumulative_reward, "cumulative_scratch": m.cumulative_scratch,
-            "cumulative_gain": m.cumulative_gain, "gains": m.gains, "scores": with_mem.scores,
-            "validity": 1.0 - invalid / max(turns, 1), "memories": [w.memory for w in with_mem.writes]}
+        # from scratch: every task with empty memory (the first task of a stream has none either,
+        # so under greedy decoding it gains 0 by construction)
+        eps = rollout.run_episodes(model, tokenizer, env, flat, memory="", seed=100 + a, **kw)
+        for i, ep in enumerate(eps):
+            scratch[i].append(ep.score)
+    per_stream, i = [], 0
+    for s, o in zip(streams, with_mem):
+        m = rewards.stream_metrics(o.scores, scratch[i:i + len(s)])
+        i += len(s)
+        per_stream.append(m)
+    gains = [m.cumulative_gain for m in per_stream]
+    turns = sum(ep.num_turns for o in with_mem for ep in o.episodes)
+    invalid = sum(ep.num_format_errors + int(ep.info.get("invalid", 0)) for o in with_mem for ep in o.episodes)
+    out = {"cumulative_reward": mean(m.cumulative_reward for m in per_stream),
+           "cumulative_scratch": mean(m.cumulative_scratch for m in per_stream),
+           "cumulative_gain": mean(gains), "gain_ci95": list(rewards.mean_ci95(gains)[1:]),
+           "stream_gains": gains, "gains": [mean(g) for g in zip(*(m.gains for m in per_stream))],
+           "validity": 1.0 - invalid / max(turns, 1), "streams": len(streams),
+           "memories": [[w.memory for w in o.writes] for o in with_mem]}
+    if args.env == "alchemy":    # a diagnostic, not a reward: are the written facts true, and how many?
+        import alchemy
+        acc = [[alchemy.memory_accuracy(w.memory, task) for w, task in zip(o.writes, o.tasks)] for o in with_mem]
+        out["memory_accuracy"] = [mean(a[t][0] for a in acc if a[t][0] is not None) for t in range(len(acc[0]))]
+        out["memory_coverage"] = [mean(a[t][1] for a in acc) for t in range(len(acc[0]))]
+    return out
+
+
+def mean(xs) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def rl_effect(before: dict, after: dict) -> dict:
+    """Gain before and after RL on the same held-out streams, and the paired difference's 95% CI
+    (over streams; over the tasks of the stream when there is only one)."""
+    if before["streams"] > 1:
+        deltas, scale = [a - b for a, b in zip(after["stream_gains"], before["stream_gains"])], 1
+    else:                            # one stream: its gain is a sum over tasks, so is the CI
+        deltas = [a - b for a, b in zip(after["gains"], before["gains"])]
+        scale = len(deltas)
+    _, lo, hi = rewards.mean_ci95(deltas)
+    return {"gain_before": before["cumulative_gain"], "gain_after": after["cumulative_gain"],
+            "delta": after["cumulative_gain"] - before["cumulative_gain"], "ci95": [lo * scale, hi * scale],
+            "streams": before["streams"]}
 
 
 # -----------------------------------------------------------------------------
 # warm start: imitation rows from the scripted actor and writer, through the rollout protocol
 
 
-def expert_rows(tokenizer, env, tasks, num_streams, segment, seed, traj_chars):
+GENERIC_LESSONS = ("- Try a potion on a stone and read what changed before planning.",
+                   "- Put a stone in the cauldron only when its value is positive.",
+                   "- End the trial when no move can raise a stone's value.",
+                   "- Use each potion at most once; it is used up either way.",
+                   "- Read the stones and potions listed in each observation.")
+
+
+def random_valid_policy(rng: random.Random):
+    """An actor that knows the action syntax and nothing else: a uniform draw among the actions
+    valid in the observation (apply P S for every potion and stone, cauldron S, end)."""
+    from alchemy import parse_observation
+
+    def act(obs: str) -> str:
+        state = parse_observation(obs)
+        if state is None:
+            return "end"
+        options = [f"apply p{p} s{s}" for p in state["potions"] for s in state["stones"]]
+        options += [f"cauldron s{s}" for s in state["stones"]] + ["end"]
+        return rng.choice(options)
+    return act
+
+
+def protocol_memory(ep, rng: random.Random) -> str:
+    """The memory's two-section shape with no inferred knowledge: lines quoted at random from the
+    episode's own observations (what a chat model asked to keep notes would copy, unselected) and
+    generic lessons. Which lines are worth keeping is left for RL to learn."""
+    lines = [o.strip().splitlines()[0] for o in ep.observations[1:] if o.strip()]   # each action's outcome line
+    quoted = rng.sample(lines, min(2, len(lines))) if lines else []
+    facts = [f"- {ln}" for ln in quoted] + ["- The hidden chemistry is the same in every task of this world."]
+    return ("### Repository Knowledge\n" + "\n".join(facts[:3]) + "\n\n### Lessons & Pitfalls\n"
+            + "\n".join(rng.sample(GENERIC_LESSONS, 2)))
+
+
+def warmstart_rows(tokenizer, env, tasks, args: Args):
     """Scripted streams rendered exactly as rollouts are: actor rows from run_scripted (loss mask on
-    the agent's tokens) and writer rows = the writer prompt rollout.write_memory builds + the
-    scripted memory (alchemy.memory_text of what the reference actor inferred)."""
+    the agent's tokens) and writer rows = the writer prompt rollout.write_memory builds + a target
+    memory. Two modes:
+      protocol  (default): the actor is random_valid_policy and the memory protocol_memory: only the
+                action syntax and the memory's shape, no task knowledge (RL has to teach the content);
+      imitation: the reference actor (env.reference_policy) and the scripted writer's memory
+                (alchemy.memory_text of what it inferred): imitation of the content too."""
     from alchemy import memory_text
     fmt = rollout.ChatFormat(tokenizer)
-    streams = curriculum.make_streams(tasks, num_streams, order="easy_to_hard", segment=segment, seed=seed)
+    rng = random.Random(f"warmstart/{args.seed}")
+    streams = curriculum.make_streams(tasks, args.warmstart_streams, order="easy_to_hard", segment=args.segment,
+                                      seed=args.seed)
     rows, memories = [], [""] * len(streams)
     envs_ = [env] + [env.clone() for _ in streams[1:]]
     for t in range(len(streams[0])):
         ts = [s[t] for s in streams]
-        pols = [env.reference_policy(task, notes=m or None) for task, m in zip(ts, memories)]
+        if args.warmstart_mode == "imitation":
+            pols = [env.reference_policy(task, notes=m or None) for task, m in zip(ts, memories)]
+        else:
+            pols = [random_valid_policy(rng) for _ in ts]
         eps = rollout.run_scripted(tokenizer, envs_, ts, pols, memory=memories)
         for i, (ep, pol) in enumerate(zip(eps, pols)):
             rows += [(r.tokens, r.loss_mask) for r in ep.rows()]
-            new = memory_text(pol.knowledge, ep.task.id, ep.score)
-            prompt = fmt.prompt(rollout.WRITER_SYSTEM, rollout.writer_prompt(ep, memories[i], traj_chars))
+            new = (memory_text(pol.knowledge, ep.task.id, ep.score) if args.warmstart_mode == "imitation"
+                   else protocol_memory(ep, rng))
+            prompt = fmt.prompt(rollout.WRITER_SYSTEM, rollout.writer_prompt(ep, memories[i], args.traj_chars))
             target = fmt.encode(new) + [fmt.end_id]
             rows.append((prompt + target, [0] * len(prompt) + [1] * len(target)))
             memories[i] = new
+    for e in envs_[1:]:
+        e.close()
     return rows
 
 
@@ -280,9 +377,8 @@ def warm_start(learner, tokenizer, env, args: Args, log) -> dict:
         print0(f"warm start skipped: format validity {before:.2f} >= {args.warmstart_threshold}")
         return {"validity_before": before, "validity_after": before, "steps": 0,
                 "score_before": score_before, "score_after": score_before}
-    rows = expert_rows(tokenizer, env, env.tasks("train"), args.warmstart_streams, args.segment, args.seed,
-                       args.traj_chars)
-    print0(f"warm start: {len(rows)} expert rows, {sum(len(r[0]) for r in rows)} tokens; validity {before:.2f}")
+    rows = warmstart_rows(tokenizer, env, env.tasks("train"), args)
+    print0(f"warm start ({args.warmstart_mode}): {len(rows)} rows, {sum(len(r[0]) for r in rows)} tokens; validity {before:.2f}")
     rng = random.Random(args.seed)
     for g in learner.optimizer.param_groups:
         g["lr"] = args.warmstart_lr
@@ -326,7 +422,7 @@ def rl_rows(outs, groups_of, args: Args, writer_prompt_text: str):
     adv = rewards.actor_advantages(scores, groups, explore, beta=0.0 if args.no_explore else args.beta,
                                    mode=args.explore_mode, lam=0.0 if args.no_explore else args.lam)
     for i, (c, t) in enumerate((c, t) for c in range(len(outs)) for t in range(T)):
-        if adv.keep[i]:
+        if adv.keep[i] and args.actor != "frozen":
             for r in outs[c].episodes[t].rows():
                 actor.append((r.tokens, r.loss_mask, r.logprobs, adv.advantages[i]))
     # writer: windowed reward per copy, then GRPO over the group at (stream, position)
@@ -368,136 +464,229 @@ def batch_of(rows, version):
 
 
 # -----------------------------------------------------------------------------
-# main
+# main: setup, warm start, RL steps, evaluation, report
 
 
-def main(argv=None):
-    args = parse_args(argv)
+@dataclass
+class Run:
+    """What a RIME run holds; main() returns it (tests compare resumed and uninterrupted runs)."""
+    args: Args
+    d: object
+    tokenizer: object
+    env: object
+    learner: Learner
+    judge: object = None
+    writer_model: object = None        # frozen or decoupled writer; None = the shared weights
+    actor_model: object = None         # frozen actor (--actor frozen); None = the learner's weights
+    writer_learner: Learner = None     # decoupled writer's own learner
+    streams: list = None               # held-out evaluation streams
+    state: dict = None                 # step, warm start and pre-RL evaluation: checkpointed
+    resuming: bool = False             # a complete checkpoint was found at start
+
+    def path(self, *parts):
+        return os.path.join(self.args.run_dir, *parts)
+
+    def log(self, row: dict) -> None:
+        if self.d.is_main:
+            with open(self.path("metrics.jsonl"), "a") as f:
+                f.write(cli.dumps({"time": time.time(), **row}) + "\n")
+
+
+def setup(args: Args) -> Run:
+    """Model, learner(s), environment, judge, held-out streams; resume from the last checkpoint.
+    The reference (KL anchor) and a frozen writer hold the weights RL starts from: on a resume they
+    are rebuilt from <run>/warmstart (or the initial weights when no warm start ran), never from the
+    resumed RL policy; a decoupled writer's learner has its own checkpoint."""
     d = init_distributed()
     if d.device.type == "cpu" and (args.threads or args.model in ("tiny", "small")):
         torch.set_num_threads(args.threads or 1)
     torch.manual_seed(args.seed + d.rank)
     random.seed(args.seed + d.rank)
+    model, tokenizer = load_model(args.model, args.seed)     # checked before anything is written
     os.makedirs(os.path.join(args.run_dir, "memories"), exist_ok=True)
-    ckpt = os.path.join(args.run_dir, "checkpoint")
-    metrics_path = os.path.join(args.run_dir, "metrics.jsonl")
     if d.is_main:
         with open(os.path.join(args.run_dir, "config.json"), "w") as f:
             json.dump(dataclasses.asdict(args), f, indent=2)
-
-    def log(row):
-        row = {"time": time.time(), **row}
-        if d.is_main:
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(row, default=float) + "\n")
-
-    # --- setup: model, learner(s), environment, judge
-    t_start = time.time()
-    model, tokenizer = load_model(args.model, args.seed)
+    ckpt = os.path.join(args.run_dir, "checkpoint")
+    # every rank decides before any rank saves, or a fast rank's first save could make a slow rank
+    # "resume" from a half-written one (ppo.checkpoint_path only returns complete checkpoints)
+    resuming = args.resume and checkpoint_path(ckpt) is not None
+    warm_dir = os.path.join(args.run_dir, "warmstart")
+    if resuming and os.path.isdir(warm_dir):
+        model = load(warm_dir)                              # the weights RL started from
     # the laptop preset plays one Alchemy trial per task (the paper's episodes are longer): short rows
     env = envs.make(args.env, **({"num_trials": 1} if args.env == "alchemy" and args.preset == "laptop" else {}))
-    train_tasks = env.tasks("train")
-    judge = make_judge(args, tokenizer)
     # activation checkpointing pays off on GPUs with real models; on CPU small models it only recomputes
     learner = Learner(model, ref_model=copy.deepcopy(model), lr=args.lr, clip_low=args.clip_low,
                       clip_high=args.clip_high, kl_coef=args.kl_coef, micro_batch_tokens=args.micro_batch_tokens,
                       gradient_checkpointing=d.device.type == "cuda", dist_info=d)
-    stream = eval_stream(env, args)
-    state = {"step": 0, "warm": None, "eval_before": None}
-    # every rank decides before any rank saves, or a fast rank's first save could make a slow rank
-    # "resume" from a half-written one (ppo.checkpoint_path only returns complete checkpoints)
-    if args.resume and checkpoint_path(ckpt) is not None:
-        state = learner.load(ckpt)
-        print0(f"resumed from {ckpt} at RL step {state['step']}")
+    run = Run(args, d, tokenizer, env, learner, judge=make_judge(args, tokenizer), streams=eval_streams(env, args),
+              state={"step": 0, "warm": None, "eval_before": None}, resuming=resuming)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
+    return run
 
-    # --- warm start (imitation), then the evaluation before RL
-    if state["warm"] is None:
-        state["warm"] = warm_start(learner, tokenizer, env, args, log) if args.warmstart_steps else {}
-        if d.is_main and state["warm"].get("steps"):
-            save(learner.gen_model, tokenizer, os.path.join(args.run_dir, "warmstart"))
-            print0(f"warm-started weights saved to {args.run_dir}/warmstart (rerun RL with --model it --warmstart-steps 0)")
-    if state["warm"].get("steps"):
-        learner.reset_reference()   # the KL anchors RL to the warm-started policy (not checkpointed: redone on resume)
+
+def warm_start_phase(run: Run) -> None:
+    """Warm start (fresh runs only), then the writers, then the resume of every learner."""
+    args, learner = run.args, run.learner
+    if not run.resuming:
+        run.state["warm"] = warm_start(learner, run.tokenizer, run.env, args, run.log) if args.warmstart_steps else {}
+        if run.state["warm"].get("steps"):
+            if run.d.is_main:
+                save(learner.gen_model, run.tokenizer, run.path("warmstart"))
+                print0(f"warm-started weights saved to {run.path('warmstart')}")
+            learner.reset_reference()   # the KL anchors RL to the warm-started policy
     # the frozen writer is the weights RL starts from; the decoupled writer trains its own copy
-    writer_learner = None
-    writer_model = None
     if args.writer == "frozen":
-        writer_model = copy.deepcopy(learner.gen_model)
+        run.writer_model = copy.deepcopy(learner.gen_model)
+    if args.actor == "frozen":          # only the writer trains: the actor keeps the start weights
+        run.actor_model = copy.deepcopy(learner.gen_model)
+        run.writer_model = learner.gen_model
     elif args.writer == "decoupled":
         wm = copy.deepcopy(learner.gen_model).float().requires_grad_(True)   # the generation copy is frozen (bf16 on GPU)
-        writer_learner = Learner(wm, ref_model=copy.deepcopy(wm), lr=args.lr, clip_low=args.clip_low,
-                                 clip_high=args.clip_high, kl_coef=args.kl_coef,
-                                 micro_batch_tokens=args.micro_batch_tokens,
-                                 gradient_checkpointing=d.device.type == "cuda", dist_info=d)
-        writer_model = writer_learner.gen_model
-    if state["eval_before"] is None:
-        state["eval_before"] = evaluate(learner.gen_model, tokenizer, env, stream, args, writer_model) if d.is_main else {}
-        log({"phase": "eval", "step": 0, **{k: v for k, v in state["eval_before"].items() if k != "memories"}})
-        learner.save(ckpt, caller_state=state)
+        run.writer_learner = Learner(wm, ref_model=copy.deepcopy(wm), lr=args.lr, clip_low=args.clip_low,
+                                     clip_high=args.clip_high, kl_coef=args.kl_coef,
+                                     micro_batch_tokens=args.micro_batch_tokens,
+                                     gradient_checkpointing=run.d.device.type == "cuda", dist_info=run.d)
+        run.writer_model = run.writer_learner.gen_model
+    if run.resuming:
+        if run.writer_learner is not None:
+            run.writer_learner.load(run.path("checkpoint_writer"))
+        run.state = learner.load(run.path("checkpoint"))       # last: its RNG state is the one that counts
+        print0(f"resumed from {run.path('checkpoint')} at RL step {run.state['step']}")
 
-    # --- RL
+
+def save_checkpoint(run: Run) -> None:
+    """The learner(s) as DCP checkpoints, and the policy in HF format beside them (<run>/policy),
+    which `bench.py --policy` and `rime.py --model` read."""
+    if run.writer_learner is not None:
+        run.writer_learner.save(run.path("checkpoint_writer"))
+    run.learner.save(run.path("checkpoint"), caller_state=run.state)
+    if run.d.is_main:
+        export_policy(run, run.path("policy"))
+
+
+def export_policy(run: Run, path: str) -> None:
+    """HF-format weights of the trained policy, written to a temp dir and swapped in (crash-safe)."""
+    import shutil
+    tmp = path + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save(run.learner.gen_model, run.tokenizer, tmp)
+    if run.writer_learner is not None:
+        save(run.writer_learner.gen_model, run.tokenizer, os.path.join(tmp, "writer"))
+    shutil.rmtree(path, ignore_errors=True)
+    os.rename(tmp, path)
+
+
+def rl_step(run: Run, step: int) -> dict:
+    """One RIME step: roll out the groups of streams (actor, then writer, at every position), ask the
+    judge about each memory change, turn scores into both roles' rows, one PPO update."""
+    args, learner, t0 = run.args, run.learner, time.time()
+    base, copies = train_streams(run.env, run.env.tasks("train"), args, step, run.d.rank)
+    groups_of = [c // args.group_size for c in range(len(copies))]
+    outs = rollout.run_streams(run.actor_model or learner.gen_model, run.tokenizer, run.env, copies,
+                               writer_model=run.writer_model,
+                               temperature=args.temperature, seed=args.seed * 7 + step * 1009 + run.d.rank,
+                               max_turns=args.max_turns, max_new_tokens=args.max_new_tokens,
+                               memory_tokens=args.memory_tokens, traj_chars=args.traj_chars)
+    t_roll = time.time() - t0
+    # the judge sees only the memory before and after each task, never the trajectory
+    for o in outs:
+        o.explore = [run.judge.score(old, w.memory) if run.judge is not None else None
+                     for old, w in zip(o.memories, o.writes)]
+    t_judge = time.time() - t0 - t_roll
+    actor, writer, parts = rl_rows(outs, groups_of, args, rollout.WRITER_SYSTEM)
+    if args.env == "alchemy":
+        import alchemy
+        acc = [alchemy.memory_accuracy(w.memory, task) for o in outs for w, task in zip(o.writes, o.tasks)]
+        parts["memory_accuracy"] = mean(a for a, _ in acc if a is not None)
+        parts["memory_coverage"] = mean(c for _, c in acc)
+    if args.writer == "decoupled":      # two sets of weights, each trained on its own role's rows
+        stats = learner.update(batch_of(actor, learner.version))
+        wstats = run.writer_learner.update(batch_of(writer, run.writer_learner.version))
+        stats.update({f"writer_{k}": v for k, v in wstats.items()})
+    else:                               # shared weights: one PPO step on both roles' tokens
+        stats = learner.update(batch_of(actor + writer, learner.version))
+    row = {"phase": "rl", "step": step + 1, "rollout_s": t_roll, "judge_s": t_judge,
+           "update_s": time.time() - t0 - t_roll - t_judge, "step_s": time.time() - t0, **parts, **stats}
+    run.log(row)
+    if run.d.is_main:
+        with open(run.path("memories", f"step{step + 1:04d}.jsonl"), "w") as f:
+            for c, o in enumerate(outs):
+                f.write(cli.dumps({"copy": c, "tasks": [t.id for t in o.tasks], "scores": o.scores,
+                                   "memories": [w.memory for w in o.writes], "explore": o.explore}) + "\n")
+    return row
+
+
+def evaluate_phase(run: Run, step: int, final: bool = False) -> dict:
+    ev = evaluate(run.actor_model or run.learner.gen_model, run.tokenizer, run.env, run.streams, run.args,
+                  run.writer_model)
+    run.log({"phase": "eval", "step": step, **({"final": True} if final else {}),
+             **{k: v for k, v in ev.items() if k != "memories"}})
+    return ev
+
+
+def main(argv=None) -> Run:
+    args = parse_args(argv)
+    try:
+        run = setup(args)
+    except ValueError as e:          # a model dir that cannot be read, a config the env refuses
+        cli.fail("rime.py", str(e))
+    t_start = time.time()
+    warm_start_phase(run)
+    if run.state["eval_before"] is None:
+        run.state["eval_before"] = evaluate_phase(run, 0) if run.d.is_main else {}
+        save_checkpoint(run)
     from tqdm import tqdm
-    bar = tqdm(range(state["step"], args.steps), desc="RIME RL", disable=not d.is_main,
-               initial=state["step"], total=args.steps)
+    bar = tqdm(range(run.state["step"], args.steps), desc="RIME RL", disable=not run.d.is_main,
+               initial=run.state["step"], total=args.steps)
     for step in bar:
-        t0 = time.time()
-        base, copies = train_streams(env, train_tasks, args, step, d.rank)
-        groups_of = [c // args.group_size for c in range(len(copies))]
-        outs = rollout.run_streams(learner.gen_model, tokenizer, env, copies, writer_model=writer_model, judge=judge,
-                                   temperature=args.temperature, seed=args.seed * 7 + step * 1009 + d.rank,
-                                   max_turns=args.max_turns, max_new_tokens=args.max_new_tokens,
-                                   memory_tokens=args.memory_tokens, traj_chars=args.traj_chars)
-        t_roll = time.time() - t0
-        actor, writer, parts = rl_rows(outs, groups_of, args, rollout.WRITER_SYSTEM)
-        if args.writer == "decoupled":      # two sets of weights, each trained on its own role's rows
-            stats = learner.update(batch_of(actor, learner.version))
-            wstats = writer_learner.update(batch_of(writer, writer_learner.version))
-            stats.update({f"writer_{k}": v for k, v in wstats.items()})
-        else:                               # shared weights: one PPO step on both roles' tokens
-            stats = learner.update(batch_of(actor + writer, learner.version))
-        row = {"phase": "rl", "step": step + 1, "rollout_s": t_roll, "step_s": time.time() - t0, **parts, **stats}
-        log(row)
-        if d.is_main:
-            with open(os.path.join(args.run_dir, "memories", f"step{step + 1:04d}.jsonl"), "w") as f:
-                for c, o in enumerate(outs):
-                    f.write(json.dumps({"copy": c, "tasks": [t.id for t in o.tasks], "scores": o.scores,
-                                        "memories": [w.memory for w in o.writes], "explore": o.explore}) + "\n")
-        bar.set_postfix(score=f"{parts['score']:.3f}", wr=f"{parts['writer_reward']:.3f}",
-                        kl=f"{stats.get('approx_kl', 0):.4f}")
-        print0(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()
-                          if k in ("step", "score", "explore", "writer_reward", "writer_format_ok", "approx_kl",
-                                   "clipfrac", "entropy", "kl_ref", "grad_norm", "response_len", "tokens_per_s")))
-        state["step"] = step + 1
-        if args.eval_every and state["step"] % args.eval_every == 0 and d.is_main:
-            ev = evaluate(learner.gen_model, tokenizer, env, stream, args, writer_model)
-            log({"phase": "eval", "step": state["step"], **{k: v for k, v in ev.items() if k != "memories"}})
-        if state["step"] % args.checkpoint_every == 0 or state["step"] == args.steps:
-            learner.save(ckpt, caller_state=state)
-
-    # --- the evaluation after RL, and the report
-    if d.is_main:
-        after = evaluate(learner.gen_model, tokenizer, env, stream, args, writer_model)
-        log({"phase": "eval", "step": state["step"], "final": True, **{k: v for k, v in after.items() if k != "memories"}})
-        before, warm = state["eval_before"], state["warm"] or {}
-        summary = {"warmstart": warm, "before": before, "after": after, "wall_s": time.time() - t_start,
-                   "stream": [t.id for t in stream]}
-        with open(os.path.join(args.run_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2, default=float)
-        plot_gain(before, after, os.path.join(args.run_dir, "gain.png"))
-        print("\n| held-out stream | format validity | cumulative reward | from scratch | cumulative gain |")
-        print("|---|---|---|---|---|")
-        for name, ev in (("before RL", before), ("after RL", after)):
-            print(f"| {name} | {ev['validity']:.2f} | {ev['cumulative_reward']:.2f} | "
-                  f"{ev['cumulative_scratch']:.2f} | {ev['cumulative_gain']:+.2f} |")
-        if warm:
-            print(f"\nwarm start: validity {warm['validity_before']:.2f} -> {warm['validity_after']:.2f}, "
-                  f"held-out score {warm['score_before']:.2f} -> {warm['score_after']:.2f} (6-turn episodes) "
-                  f"in {warm['steps']} steps")
-        print(f"stream of {len(stream)} tasks ({stream[0].group}); wall time {summary['wall_s'] / 60:.1f} min; "
-              f"run dir {args.run_dir}")
+        row = rl_step(run, step)
+        bar.set_postfix(score=f"{row['score']:.3f}", wr=f"{row['writer_reward']:.3f}",
+                        kl=f"{row.get('approx_kl', 0):.4f}")
+        run.state["step"] = step + 1
+        if args.eval_every and run.state["step"] % args.eval_every == 0 and run.d.is_main:
+            evaluate_phase(run, run.state["step"])
+        if run.state["step"] % args.checkpoint_every == 0 or run.state["step"] == args.steps:
+            save_checkpoint(run)
+    if run.d.is_main:
+        after = evaluate_phase(run, run.state["step"], final=True)
+        export_policy(run, run.path("final"))
+        report(run, after, time.time() - t_start)
     teardown_distributed()
+    return run
+
+
+def report(run: Run, after: dict, wall_s: float) -> None:
+    """summary.json (with rl_effect), gain.png, and the before/after table with 95% CIs."""
+    before, warm = run.state["eval_before"], run.state["warm"] or {}
+    effect = rl_effect(before, after)
+    summary = {"rl_effect": effect, "warmstart": warm, "before": before, "after": after, "wall_s": wall_s,
+               "streams": [[t.id for t in s] for s in run.streams]}
+    with open(run.path("summary.json"), "w") as f:
+        f.write(cli.dumps(summary, indent=2))
+    plot_gain(before, after, run.path("gain.png"))
+    n = effect["streams"]
+    print(f"\n| held-out ({n} stream{'s' if n > 1 else ''}) | format validity | cumulative reward | from scratch "
+          "| cumulative gain (95% CI) |")
+    print("|---|---|---|---|---|")
+    for name, ev in (("before RL", before), ("after RL", after)):
+        lo, hi = ev["gain_ci95"]
+        print(f"| {name} | {ev['validity']:.2f} | {ev['cumulative_reward']:.2f} | "
+              f"{ev['cumulative_scratch']:.2f} | {ev['cumulative_gain']:+.2f} [{lo:+.2f}, {hi:+.2f}] |")
+    lo, hi = effect["ci95"]
+    print(f"\nRL effect on gain: {effect['delta']:+.2f} (95% CI [{lo:+.2f}, {hi:+.2f}], paired over {n} streams)")
+    if "memory_accuracy" in after:
+        fmt = lambda xs: " ".join(f"{x:.2f}" for x in xs)   # noqa: E731
+        print("memory accuracy by stream position (true share of stated potion effects; coverage of the 6):")
+        for name, ev in (("before RL", before), ("after RL", after)):
+            print(f"  {name}: accuracy {fmt(ev['memory_accuracy'])} | coverage {fmt(ev['memory_coverage'])}")
+    if warm:
+        print(f"warm start ({run.args.warmstart_mode}): validity {warm['validity_before']:.2f} -> "
+              f"{warm['validity_after']:.2f}, held-out score {warm['score_before']:.2f} -> {warm['score_after']:.2f} "
+              f"(6-turn episodes) in {warm['steps']} steps")
+    print(f"wall time {wall_s / 60:.1f} min; run dir {run.args.run_dir} (policy in HF format: {run.path('final')})")
 
 
 def plot_gain(before: dict, after: dict, path: str) -> None:
@@ -510,7 +699,7 @@ def plot_gain(before: dict, after: dict, path: str) -> None:
         return
     import itertools
     fig, ax = plt.subplots(figsize=(5, 3))
-    for name, ev in (("before RL", before), ("after RL", after)):
+    for name, ev in (("before RL", before), ("after RL", after)):   # mean gain per position over the streams
         ax.plot(range(1, len(ev["gains"]) + 1), list(itertools.accumulate(ev["gains"])), marker="o", label=name)
     ax.axhline(0, color="grey", lw=0.5)
     ax.set_xlabel("task in stream")

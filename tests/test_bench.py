@@ -53,7 +53,8 @@ def test_table_marks_published_rows_and_failures():
 
 def test_bad_config_gets_a_clear_error(tmp_path):
     for argv, msg in ((["--streams", "nope"], "unknown stream"), (["--attempts", "0"], "--attempts"),
-                      (["--policy", str(tmp_path / "none")], "checkpoint dir"), (["--api", "http://x"], "go together")):
+                      (["--policy", str(tmp_path / "none")], "checkpoint dir"), (["--threads", "-1"], "--threads"),
+                      (["--temperature", "nan"], "--temperature must be a number"), (["--api", "http://x"], "go together")):
         with pytest.raises(SystemExit, match=msg):
             bench.main(argv)
 
@@ -156,6 +157,15 @@ class Stub(BaseHTTPRequestHandler):
             self.send_response(500)
             self.end_headers()
             return
+        if what == "overflow":      # what OpenAI-compatible servers send when the prompt outgrows the context
+            err = {"error": {"message": "This model's maximum context length is 2048 tokens. However, you requested "
+                             "2100 tokens. Please reduce the length of the messages.",
+                             "type": "invalid_request_error", "code": "context_length_exceeded"}}
+            self.send_response(400)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(json.dumps(err).encode())
+            return
         if what == "slow":
             time.sleep(1.0)
         reply = b"{not json" if what == "garbage" else json.dumps(
@@ -216,7 +226,42 @@ def test_api_agent_plays_with_its_history_and_failures_are_not_zeros(server, tmp
     assert cells[0].counted == 0 and cells[0].failed == 4
     rows = [json.loads(l) for l in (tmp_path / "down" / "rows.jsonl").read_text().splitlines()]
     assert all(r["failed"] and r["score"] is None and "HTTP 500" in r["reason"] for r in rows)
-    assert "| api:m | alchemy | 0.00 | +0.00 | 0/2 | 4 |" in (tmp_path / "down" / "table.md").read_text()
+    # no completed task: no figure, never 0.00
+    assert "| api:m | alchemy | n/a | n/a | 0/2 | 4 |" in (tmp_path / "down" / "table.md").read_text()
+
+
+def test_api_agent_handles_a_context_overflow(server):
+    """A server that says the conversation outgrew its context: the agent asks for shorter replies,
+    then drops its oldest turns, then ends the episode with its score so far; the server's message
+    is kept, and what happened is recorded."""
+    agent = bench.ApiAgent(server, "m", timeout=2.0, retries=0, backoff=0.01, max_tokens=512)
+    Stub.plan = ["overflow"] * 3                      # 512 -> 256 -> 128 -> 64 tokens, then it fits
+    policy = agent.actor("")
+    assert policy("obs 1") == "end"
+    assert policy.context_log == [f"context full: max_tokens -> {n}" for n in (256, 128, 64)]
+    assert policy("obs 2") == "end" and len(Stub.requests[-1]) == 4     # system, obs 1, reply, obs 2
+    Stub.plan = ["overflow"] * 2                       # at 64 tokens already: the oldest turn goes
+    assert policy("obs 3") == "end"
+    assert "context full: dropped the oldest turn" in policy.context_log
+    Stub.plan = ["overflow"] * 100                     # nothing left to cut: the episode ends, no error
+    assert policy("obs 4") == "" and "episode ended" in policy.context_log[-1]
+    n = len(Stub.requests)
+    assert policy("obs 5") == "" and len(Stub.requests) == n, "no more calls once the context is full"
+    with pytest.raises(judge.ApiError) as e:          # other callers still see the server's own message
+        Stub.plan = ["overflow"]
+        _chat(server)
+    assert e.value.context_overflow and "maximum context length is 2048" in str(e.value)
+    # a small endpoint context caps the reply size
+    assert bench.ApiAgent(server, "m", max_tokens=512, context=1024).max_tokens == 256
+
+
+def test_help_lists_the_speed_tables_and_metrics_are_json(tmp_path):
+    r = subprocess.run([sys.executable, "bench.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    for name in ("engine", "sandbox", "envs", "ppo", "camg"):
+        assert f"python bench.py {name}" in r.stdout
+    import cli
+    line = cli.dumps({"a": float("nan"), "b": [float("inf"), 1.5]})
+    assert json.loads(line) == {"a": None, "b": [None, 1.5]} and "NaN" not in line
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -246,10 +291,30 @@ def test_component_subcommands_print_tables(capsys):
 def test_engine_bench_runs_with_breakdown(capsys):
     # the speed table and the breakdown on a tiny setting: same greedy tokens from both engines
     bench.main(["engine", "--models", "qwen3", "--batch-sizes", "2", "--max-prompt", "40", "--new-tokens", "4",
-                "--breakdown"])
+                "--breakdown", "--repeats", "2"])
     out = capsys.readouterr().out
     row = next(l for l in out.splitlines() if l.startswith("| qwen3 | 29M | 2 |"))
     assert row.endswith("| 1.00 |"), row
+    lo, hi = row.split("|")[7].strip().rstrip("x").split("-")   # the spread of the per-repeat ratios
+    assert 0 < float(lo) <= float(row.split("|")[6].strip().rstrip("x")) <= float(hi)
     parts = next(l for l in out.splitlines() if l.startswith("| qwen3 | 2 |"))
     cells = [c.strip() for c in parts.strip("|").split("|")]
     assert len(cells) == 8 and all(float(c.rstrip("x")) > 0 for c in cells[2:])
+
+
+def test_ablations_table_trains_resumes_and_reports(tmp_path, capsys):
+    """Two variants x 1 seed of the tiny smoke model: the table has their rows and the paper's
+    direction; a rerun trains nothing again (the finished runs' summaries are reused)."""
+    argv = ["ablations", "--seeds", "1", "--only", "full RIME,--writer frozen", "--results", str(tmp_path),
+            "--", "--model", "tiny", "--steps", "1", "--eval-streams", "2", "--max-turns", "3"]
+    bench.main(argv)
+    out = capsys.readouterr().out
+    for name in ("full RIME", "--writer frozen"):
+        row = next(l for l in out.splitlines() if l.startswith(f"| {name} |"))
+        assert "| 1 |" in row and "±" in row
+    assert (tmp_path / "table.md").exists() and (tmp_path / "full_RIME" / "seed0" / "final" / "config.json").exists()
+    logs = {p: p.stat().st_size for p in tmp_path.rglob("seed0.log")}
+    bench.main(argv)
+    assert {p: p.stat().st_size for p in tmp_path.rglob("seed0.log")} == logs, "finished runs are not rerun"
+    with pytest.raises(SystemExit, match="--only names none"):
+        bench.main(["ablations", "--only", "nothing"])

@@ -177,18 +177,22 @@ def test_actor_advantage_mode():
     scores = [1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
     groups = [0, 0, 0, 0, 1, 1, 1, 1]
     explore = [0.5, 0.5, 1.0, 0.0, 0.25, 0.75, 0.5, 0.5]
-    out = actor_advantages(scores, groups, explore, beta=0.3)
+    out = actor_advantages(scores, groups, explore, beta=0.3, explore_keeps_group=False)
     # group 0: score std 0.5 -> score_adv ±1; explore mean 0.5, std sqrt(0.125)
     z = [0.0, 0.0, 0.5 / math.sqrt(0.125), -0.5 / math.sqrt(0.125)]
     assert out.score_adv[:4] == pytest.approx([1, -1, 1, -1], abs=1e-5)
     assert out.explore_bonus[:4] == pytest.approx([0.3 * v for v in z], abs=1e-5)
     assert out.advantages[:4] == pytest.approx([s + 0.3 * v for s, v in zip([1, -1, 1, -1], z)],
                                                abs=1e-5)
-    # group 1 all failed: dropped by default although the judge scores differ
+    # group 1 all failed: the strict reading drops it although the judge scores differ
     assert out.keep == [True] * 4 + [False] * 4
     assert out.advantages[4:] == [0.0] * 4 and out.num_groups == 2 and out.num_dropped_groups == 1
-    kept = actor_advantages(scores, groups, explore, beta=0.3, explore_keeps_group=True)
-    assert kept.keep == [True] * 8
+    # the default keeps it: exploration survives equal scores (its advantage is the bonus alone)
+    kept = actor_advantages(scores, groups, explore, beta=0.3)
+    assert kept.keep == [True] * 8 and kept.num_dropped_groups == 0
+    # ... but not when the judge scores are equal too: no signal at all
+    flat = actor_advantages(scores, groups, [0.5, 0.5, 1.0, 0.0, 0.3, 0.3, 0.3, 0.3], beta=0.3)
+    assert flat.keep == [True] * 4 + [False] * 4
     z1 = [-0.25 / math.sqrt(0.03125), 0.25 / math.sqrt(0.03125), 0.0, 0.0]
     assert kept.advantages[4:] == pytest.approx([0.3 * v for v in z1], abs=1e-5)
 
@@ -315,3 +319,16 @@ def test_normalized_and_stream_metrics():
     assert m.gains == pytest.approx([0.5, -0.5, 0.0])
     assert m.normalized == pytest.approx(0.0)          # r_max defaults to the stream length
     assert stream_metrics([1.0], [0.0], r_max=2.0).normalized == pytest.approx(0.5)
+
+
+def test_mean_ci95():
+    from rewards import mean_ci95
+    m, lo, hi = mean_ci95([1.0, 2.0, 3.0, 4.0])
+    # sd = 1.29099, t(3) = 3.182, half-width = 3.182 * 1.29099 / 2
+    assert m == pytest.approx(2.5) and hi - m == pytest.approx(3.182 * 1.2909944 / 2, rel=1e-4)
+    assert lo == pytest.approx(2 * m - hi)
+    one = mean_ci95([0.7])
+    assert one[0] == 0.7 and math.isnan(one[1]) and math.isnan(one[2])
+    assert math.isnan(mean_ci95([])[0])
+    big = mean_ci95([float(i % 2) for i in range(100)])     # beyond the table: the normal's 1.96
+    assert big[2] - big[0] == pytest.approx(1.96 * 0.50252 / 10, rel=1e-3)

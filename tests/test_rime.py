@@ -40,7 +40,14 @@ def test_smoke_run(tmp_path):
     for key in ("score", "explore", "writer_reward", "writer_format_ok", "mean_reversion_corr", "rollout_s"):
         assert key in rl[0]
     summary = json.load(open(os.path.join(run, "summary.json")))
-    assert set(summary) >= {"before", "after", "wall_s", "stream"}
+    assert set(summary) >= {"before", "after", "wall_s", "streams", "rl_effect"}
+    effect = summary["rl_effect"]
+    assert set(effect) == {"gain_before", "gain_after", "delta", "ci95", "streams"}
+    assert effect["streams"] == len(summary["streams"]) and len(effect["ci95"]) == 2
+    # the trained policy in HF format, beside the checkpoint and at the end
+    from model import load
+    for d in ("final", "policy"):
+        assert load(os.path.join(run, d)) is not None
     assert os.listdir(os.path.join(run, "memories")) == ["step0001.jsonl"]
 
 
@@ -89,12 +96,97 @@ def test_torchrun_two_ranks(tmp_path):
 
 
 def test_bad_config_is_a_clear_error(tmp_path):
-    for bad, msg in ((["--k", "0"], "--k must be >= 1"), (["--env", "nope"], "--env must be"),
-                     (["--model", str(tmp_path / "missing")], "not 'small', 'tiny'")):
+    corrupt, empty = tmp_path / "corrupt", tmp_path / "empty"
+    corrupt.mkdir(), empty.mkdir()
+    (corrupt / "config.json").write_text("{not json")
+    (corrupt / "model.safetensors").write_bytes(b"")
+    for bad, msg in ((["--model", str(corrupt)], "config.json is not valid JSON"),
+                     (["--model", str(empty)], "no config.json")):
         p = subprocess.run([sys.executable, "rime.py", *bad, "--run-dir", str(tmp_path / "r")], cwd=ROOT,
                            capture_output=True, text=True, timeout=120)
-        assert p.returncode != 0 and msg in (p.stdout + p.stderr) and "Traceback" not in p.stderr
-        assert not (tmp_path / "r").exists()     # rejected before any work
+        assert p.returncode == 2 and msg in p.stderr and "Traceback" not in p.stderr
+        assert p.stderr.strip().splitlines()[-1].startswith("rime.py: error: ")
+        assert not (tmp_path / "r").exists()     # rejected before any work, config.json included
+
+
+@pytest.mark.parametrize("bad, msg", [
+    (["--k", "0"], "--k must be >= 1"), (["--env", "nope"], "--env must be"),
+    (["--model", "/no/such/dir"], "not 'small', 'tiny'"), (["--threads", "-1"], "--threads must be >= 0"),
+    (["--checkpoint-every", "0"], "--checkpoint-every must be >= 1"), (["--lr", "0"], "--lr must be a number in (0"),
+    (["--lr", "nan"], "--lr must be a number"), (["--temperature", "0"], "--temperature must be a number in (0"),
+    (["--max-turns", "0"], "--max-turns must be >= 1"), (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--memory-tokens", "0"], "--memory-tokens must be >= 1"), (["--eval-streams", "0"], "--eval-streams must be >= 1"),
+    (["--warmstart-mode", "copy"], "--warmstart-mode must be protocol or imitation"),
+    (["--eval-temperature", "-1"], "--eval-temperature must be a number in [0")])
+def test_bad_values_are_one_line_errors(bad, msg, capsys):
+    with pytest.raises(SystemExit) as e:
+        rime.parse_args(bad)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("rime.py: error: ") and msg in err and err.count("\n") == 1
+
+
+def test_old_flag_spellings_still_parse():
+    a = rime.parse_args(["--run_dir", "x", "--resume", "false", "--no_explore", "true"])
+    assert a.run_dir == "x" and a.resume is False and a.no_explore is True
+    assert rime.parse_args(["--no-resume"]).resume is False and rime.parse_args([]).resume is True
+
+
+def _params(module):
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("writer", ["frozen", "decoupled"])
+def test_resume_restores_reference_and_writers(tmp_path, writer):
+    """A run stopped after its step-1 checkpoint and resumed equals an uninterrupted run at step 2:
+    the KL reference (the warm-started weights), the frozen writer (the weights RL started from),
+    the decoupled writer's weights and both optimizers' states."""
+    base = ["--model", "tiny", "--warmstart-steps", "2", "--warmstart-streams", "2", "--warmstart-threshold", "1.0",
+            "--eval-streams", "1", "--max-turns", "3", "--writer", writer]
+    whole = rime.main([*base, "--steps", "2", "--run-dir", str(tmp_path / "whole")])
+    rime.main([*base, "--steps", "1", "--run-dir", str(tmp_path / "split")])     # "killed" after step 1's checkpoint
+    resumed = rime.main([*base, "--steps", "2", "--run-dir", str(tmp_path / "split")])
+    assert resumed.resuming and resumed.state["step"] == 2
+    assert _same(_params(whole.learner.ref_model), _params(resumed.learner.ref_model))
+    assert not _same(_params(whole.learner.ref_model), _params(resumed.learner.policy))   # RL moved the policy
+    assert _same(_params(whole.learner.policy), _params(resumed.learner.policy))
+    for opt_a, opt_b in [(whole.learner.optimizer, resumed.learner.optimizer)] + (
+            [(whole.writer_learner.optimizer, resumed.writer_learner.optimizer)] if writer == "decoupled" else []):
+        sa, sb = opt_a.state_dict()["state"], opt_b.state_dict()["state"]
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k][n], sb[k][n]) for k in sa for n in sa[k])
+    if writer == "frozen":
+        assert _same(_params(whole.writer_model), _params(resumed.writer_model))
+        assert _same(_params(resumed.writer_model), _params(resumed.learner.ref_model))   # both: the start weights
+    else:
+        assert _same(_params(whole.writer_learner.policy), _params(resumed.writer_learner.policy))
+        assert _same(_params(whole.writer_learner.ref_model), _params(resumed.writer_learner.ref_model))
+
+
+def test_rerun_gives_the_same_figures(tmp_path):
+    """The same command twice (different hash seeds, as two fresh processes get) writes the same
+    metrics, bar the timings."""
+    rows = []
+    for i, hashseed in enumerate(("1", "2")):
+        run = str(tmp_path / f"run{i}")
+        _run([sys.executable, "rime.py", "--model", "tiny", "--steps", "1", "--warmstart-steps", "2",
+              "--warmstart-streams", "2", "--warmstart-threshold", "1.0", "--eval-streams", "2", "--run-dir", run],
+             env_extra={"PYTHONHASHSEED": hashseed})
+        rows.append([{k: v for k, v in r.items() if k != "time" and not k.endswith("_s") and "per_s" not in k}
+                     for r in _metrics(run)])
+    assert rows[0] == rows[1]
+
+
+def test_small_models_tokenizer_is_deterministic():
+    """The laptop model's BPE is trained on Alchemy text at start-up: it must come out the same in
+    every process (hash seeds differ between processes)."""
+    code = ("import hashlib, rime; from model import build_tokenizer; "
+            "t = build_tokenizer(2048, extra_text=rime._domain_text()); "
+            "print(hashlib.md5(t.backend_tokenizer.to_str().encode()).hexdigest())")
+    outs = {_run([sys.executable, "-c", code], env_extra={"PYTHONHASHSEED": s}).stdout.split()[-1] for s in ("3", "4")}
+    assert len(outs) == 1
 
 
 class CountingJudge:
@@ -159,7 +251,9 @@ def test_expert_rows_are_the_rollout_protocol(monkeypatch):
     _, tok = tiny("qwen3", seed=0)
     env = envs.make("alchemy", num_trials=1)
     tasks = env.tasks("train")
-    rows = rime.expert_rows(tok, env, tasks, num_streams=1, segment=1, seed=0, traj_chars=600)
+    args = rime.parse_args(["--model", "tiny", "--warmstart-mode", "imitation", "--warmstart-streams", "1",
+                            "--segment", "1", "--traj-chars", "600"])
+    rows = rime.warmstart_rows(tok, env, tasks, args)
     fmt = rollout.ChatFormat(tok)
     stream = rime.curriculum.make_streams(tasks, 1, order="easy_to_hard", segment=1, seed=0)[0]
     first = env.reference_policy(stream[0])
@@ -219,7 +313,9 @@ def test_warm_start_teaches_the_format():
     args = rime.parse_args(["--model", "tiny", "--max-new-tokens", "16"])
     model, tok = tiny("qwen3", seed=0, hidden_size=96, num_layers=2, intermediate_size=256)
     env = envs.make("alchemy", num_trials=1)
-    rows = [r for r in rime.expert_rows(tok, env, env.tasks("train"), 16, 1, 0, 300) if r[0][:1]]
+    wargs = rime.parse_args(["--model", "tiny", "--warmstart-mode", "imitation", "--warmstart-streams", "16",
+                             "--segment", "1", "--traj-chars", "300"])
+    rows = [r for r in rime.warmstart_rows(tok, env, env.tasks("train"), wargs) if r[0][:1]]
     rows = [_first_turns(t, m, 2) for t, m in rows[::2]]    # actor rows: the first two agent turns
     held_out = env.tasks("test")[:6]
     learner = Learner(model, ref_model=None, lr=1e-2, kl_coef=0.0, gradient_checkpointing=False)
@@ -236,3 +332,27 @@ def test_warm_start_teaches_the_format():
             if after > 0.9:
                 break
     assert after > 0.9, f"validity {before:.2f} -> {after:.2f} after {step} steps"
+
+
+def test_protocol_warm_start_carries_no_task_knowledge():
+    """The protocol rows teach the action syntax and the memory's shape: every memory target passes
+    the writer's format gate, states no potion effect, and the actor's actions are all valid."""
+    import alchemy
+    from rewards import writer_format_ok
+    _, tok = tiny("qwen3", seed=0)
+    env = envs.make("alchemy", num_trials=1)
+    args = rime.parse_args(["--model", "tiny", "--warmstart-streams", "3", "--segment", "1"])
+    assert args.warmstart_mode == "protocol"
+    rows = rime.warmstart_rows(tok, env, env.tasks("train"), args)
+    fmt = rollout.ChatFormat(tok)
+    targets = [tok.decode([t for t, m in zip(r[0], r[1]) if m]) for r in rows]
+    memories = [x for x in targets if "### Repository Knowledge" in x]
+    assert len(memories) == 3 * 2            # one per task of each 1+1 stream
+    prev = ""
+    for m in memories:
+        m = m.replace(tok.decode([fmt.end_id]), "").strip()
+        assert not alchemy.parse_notes(m)["potions"]          # no inferred chemistry
+        assert writer_format_ok(m, prev)
+        prev = m
+    actions = [a for x in targets if "<action>" in x for a in x.split("<action>")[1:]]
+    assert actions and all(alchemy.parse_action(a.split("</action>")[0]) for a in actions)
