@@ -38,7 +38,7 @@ import re
 
 import numpy as np
 
-from envs import MEMORY_DIR, ShellTaskEnv, Task, Workspace
+from envs import MEMORY_DIR, ShellTaskEnv, Task, Workspace, read_workspace_file
 
 SUCCESS_THRESHOLD = 0.5
 NUM_TRAIN, NUM_VAL, NUM_TEST, NUM_COLUMNS = 1500, 500, 1000, 8
@@ -233,10 +233,10 @@ class AutoResearchEnv(ShellTaskEnv):
         return self._invalid(f"Unknown action {action[:80]!r}.")
 
     def _evaluate(self):
-        path = self.workdir / "predictions.csv"
-        if not path.is_file():
-            return self._invalid("No predictions.csv in the workspace yet: write it first (e.g. run).")
-        lines = [s.strip() for s in path.read_text(errors="replace").splitlines() if s.strip()]
+        text = read_workspace_file(self.workdir, "predictions.csv", 1 << 20)   # never through a symlink
+        if text is None:
+            return self._invalid("No predictions.csv (a regular file) in the workspace yet: write it first (e.g. run).")
+        lines = [s.strip() for s in text.splitlines() if s.strip()]
         if lines and lines[0].lower() == "y":
             lines = lines[1:]
         if len(lines) != NUM_TEST or any(s not in ("0", "1") for s in lines):

@@ -30,8 +30,10 @@ The contract every environment keeps (each lives in its own file, one concept pe
 """
 
 import math
+import os
 import re
 import shutil
+import stat
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -52,16 +54,88 @@ class Task:
     data: dict = field(default_factory=dict)  # env-specific payload; JSON-serialisable
 
 
+ECHO_CHARS = 500                # how much of a command Workspace.shell echoes back
+MEMORY_FILE_BYTES = 64 << 10    # a memory file is read up to this size (the rest is dropped)
+MEMORY_TOTAL_BYTES = 256 << 10  # and the whole folder up to this
+
+
+def _open_in(dir_fd: int, name: str, flags: int) -> int:
+    """openat() that refuses a symlink as the last component (dir_fd itself was opened the same way)."""
+    return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+
+
+def read_workspace_file(workdir, rel: str, max_bytes: int) -> str | None:
+    """A regular file of a workspace, read by the host safely: no symlink on the way is followed
+    and nothing but a regular file is read (not a FIFO, not /proc/self/environ through a link);
+    at most max_bytes. None when there is no such regular file."""
+    fd = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)   # the workspace itself is the host's
+    try:
+        *dirs, name = rel.split("/")
+        for d in dirs:
+            fd, parent = _open_in(fd, d, os.O_RDONLY | os.O_DIRECTORY), fd
+            os.close(parent)
+        fd, parent = _open_in(fd, name, os.O_RDONLY | os.O_NONBLOCK), fd   # NONBLOCK: a FIFO must not hang us
+        os.close(parent)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return os.read(fd, max_bytes).decode(errors="replace")
+    except OSError:   # missing, a symlink (ELOOP), not a directory on the way
+        return None
+    finally:
+        os.close(fd)
+
+
 def read_memory(workdir) -> dict:
-    """The memory folder of a workspace as {path relative to .agent_memory/: text}."""
-    mem = workdir / MEMORY_DIR
-    return {str(p.relative_to(mem)): p.read_text(errors="replace") for p in sorted(mem.rglob("*")) if p.is_file()}
+    """The memory folder of a workspace as {path relative to .agent_memory/: text}. Only regular
+    files and real directories count (symlinks and anything else are skipped, never followed);
+    each file is read up to MEMORY_FILE_BYTES and the folder up to MEMORY_TOTAL_BYTES."""
+    files, budget = {}, [MEMORY_TOTAL_BYTES]
+
+    def walk(dir_fd: int, prefix: str) -> None:
+        with os.scandir(dir_fd) as it:
+            entries = sorted(it, key=lambda e: e.name)
+        for e in entries:
+            if budget[0] <= 0:
+                return
+            try:
+                if e.is_dir(follow_symlinks=False):
+                    fd = _open_in(dir_fd, e.name, os.O_RDONLY | os.O_DIRECTORY)
+                    try:
+                        walk(fd, f"{prefix}{e.name}/")
+                    finally:
+                        os.close(fd)
+                elif e.is_file(follow_symlinks=False):
+                    fd = _open_in(dir_fd, e.name, os.O_RDONLY | os.O_NONBLOCK)
+                    try:
+                        if stat.S_ISREG(os.fstat(fd).st_mode):   # still the regular file scandir saw
+                            data = os.read(fd, min(MEMORY_FILE_BYTES, budget[0]))
+                            budget[0] -= len(data)
+                            files[prefix + e.name] = data.decode(errors="replace")
+                    finally:
+                        os.close(fd)
+            except OSError:   # swapped for a link, removed, unreadable: skipped
+                continue
+
+    try:
+        root = os.open(workdir / MEMORY_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:   # missing, or a symlink to somewhere else: no memory
+        return {}
+    try:
+        walk(root, "")
+    finally:
+        os.close(root)
+    return files
 
 
 def write_memory(workdir, files: dict) -> None:
-    """Replace the memory folder's contents (ablations: blank it, or give it another task's files)."""
+    """Replace the memory folder's contents (ablations: blank it, or give it another task's files).
+    Whatever the agent left at .agent_memory (a symlink to a host directory included) is removed,
+    never followed."""
     mem = workdir / MEMORY_DIR
-    shutil.rmtree(mem, ignore_errors=True)
+    if mem.is_symlink() or (mem.exists() and not mem.is_dir()):
+        mem.unlink()
+    elif mem.exists():
+        shutil.rmtree(mem)   # does not follow symlinks inside
     mem.mkdir()
     for rel, text in files.items():
         path = (mem / rel).resolve()
@@ -74,7 +148,7 @@ class Workspace:
     """The shell workspace of one env instance: a sandbox whose `.agent_memory/` survives `clear()`.
 
     The sandbox starts on the first use of `workdir` (listing tasks needs no shell). `shell(cmd)`
-    gives the agent's view of a command: `$ cmd`, its output capped at `obs_chars` (the head, or the
+    gives the agent's view of a command: `$ cmd` (its first ECHO_CHARS characters), its output capped at `obs_chars` (the head, or the
     head and tail halves if `keep_tail`), then `(exit N)` or `(timed out)` (`(timed out after Ns)` if
     `say_timeout`)."""
 
@@ -99,14 +173,15 @@ class Workspace:
     def clear(self) -> None:
         """Delete everything but the memory folder: a fresh workspace for the next task."""
         workdir = self.workdir
-        for p in workdir.iterdir():
-            if p.name != MEMORY_DIR:
+        for p in workdir.iterdir():   # a .agent_memory that is not a real directory (a link) goes too
+            if p.name != MEMORY_DIR or p.is_symlink() or not p.is_dir():
                 shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
         (workdir / MEMORY_DIR).mkdir(exist_ok=True)
 
     def shell(self, command: str) -> str:
+        from sandbox import sanitize
         self.workdir  # starts the sandbox if this is the first use
-        r = self.sandbox.run(command)
+        r = self.sandbox.run(command)   # its output is sanitised; a NUL or over-long command gets an explanation
         out, n = r.output, self.obs_chars
         if len(out) > n and self.keep_tail:  # a program's last lines (its score, its error) matter too
             out = out[:n // 2] + "\n...[truncated]...\n" + out[-(n // 2):]
@@ -116,7 +191,8 @@ class Workspace:
             status = f"timed out after {self.timeout:.0f}s" if self.say_timeout else "timed out"
         else:
             status = f"exit {r.exit_code}"
-        return f"$ {command}\n{out.rstrip()}\n({status})"
+        shown = command if len(command) <= ECHO_CHARS else f"{command[:ECHO_CHARS]}... [{len(command):,} characters]"
+        return f"$ {sanitize(shown)}\n{out.rstrip()}\n({status})"
 
     def close(self) -> None:
         if self.sandbox is not None:

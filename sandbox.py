@@ -1,8 +1,10 @@
 """Shell sandboxes: a workspace per episode, where model-written commands cannot hurt the host.
 
 During RL an agent's only action is a shell command (CAMG's `shell_command`; RIME's fenced bash
-block), and thousands of them run unattended: endless loops, `yes`, fork bombs, daemons that
-`setsid` away, huge files, curl to the host. A `Sandbox` runs each one so that it ends on time,
+block), and millions of them run unattended. A policy optimises against every hole it can reach,
+so besides runaway commands (endless loops, `yes`, fork bombs, daemons that `setsid` away, huge
+files) a `Sandbox` must also hold against deliberate ones: reading the environment's answers,
+undoing the limits, forging what the host reads. It runs each command so that it ends on time,
 leaves nothing behind, and the host and the other episodes lose nothing:
 
     with Sandbox(timeout=30.0) as sb:          # a fresh temporary workspace; Sandbox(workdir=p) reuses p
@@ -11,54 +13,81 @@ leaves nothing behind, and the host and the other episodes lose nothing:
         snap = sb.snapshot(); sb.restore(snap) # for environment resets and memory files
     # close() ended every process the sandbox started and removed the temporary workspace
 
-How it works. Each sandbox starts one small helper process (this file, run as `--serve`) and sends
-it commands over a pipe; the helper runs `bash -c CMD` for each one and replies with the result.
-Starting the helper once keeps a command's cost close to a bare `subprocess.run` (see
-`python bench.py sandbox`) while the expensive isolation is set up only once per sandbox:
+How it works. Each sandbox starts one small helper process (this file, run as `--serve`, its
+config on stdin) and sends it commands over a pipe; the helper runs `bash -c CMD` for each one and
+replies with the result. Starting the helper once keeps a command's cost close to a bare
+`subprocess.run` (see `python bench.py sandbox`): all the expensive set-up happens once per sandbox.
 
-- isolation "namespace": the helper is PID 1 of its own PID namespace (`unshare --pid --fork
-  --kill-child --mount-proc`), plus a network namespace with only a downed loopback unless
-  network=True. As PID 1 it ends every other process of the namespace with one `kill(-1, SIGKILL)`,
-  so `setsid`, double forks and ignored SIGTERM do not help a process to survive. With
-  protect_host=True (the default) every mount but the workspace is read-only inside its mount
-  namespace and /tmp, /dev/shm are private tmpfs: `rm -rf /` or `rm -rf /tmp/*` harms neither the
-  host nor other episodes. "userns" is the same inside an unprivileged user namespace (what a
-  normal user gets on most distros).
-- isolation "subreaper" (no namespaces allowed): the helper marks itself a child subreaper, so
-  orphaned descendants (`setsid ... &`, double forks) are re-parented to it instead of init, and it
-  SIGKILLs its whole descendant tree. No network isolation and no read-only host in this mode
-  (a warning says so).
+What a command gets, in isolation "namespace" (root) or "userns" (an ordinary user, in an
+unprivileged user namespace):
+- no privileges: the helper drops every capability (effective, permitted, inheritable, ambient and
+  the bounding set, with securebits locked) and sets no_new_privs before it runs anything, so
+  commands, root or not, hold none and gain none (setuid binaries and file capabilities are inert).
+  mount, umount, remount and cgroup writes fail; a user namespace made inside gives capabilities
+  only over mounts the kernel keeps locked (read-only stays read-only, nothing can be uncovered);
+- a filesystem built from an allowlist: a new root (a read-only tmpfs, entered with pivot_root)
+  holding the system directories (/usr, /bin, /lib*, /sbin, /etc), the running interpreter (its
+  prefixes, the real directory of its executable and its site-packages, each at its own path:
+  a venv under /tmp works, pyenv shows its one version under an otherwise empty $HOME), `ro_paths`
+  at their own path, `mounts` at neutral paths (all read-only), a fresh /proc, a minimal /dev,
+  private /tmp and /dev/shm tmpfs, and the workspace (the only writable host directory, at its own
+  path). Nothing else of the host is there: not the project's source, data or caches, not $HOME,
+  not the host's /tmp;
+- an unreachable helper: it is PID 1 of its own PID namespace and non-dumpable, and /proc hides
+  it (hidepid), so a command cannot read its command line or write to its stdin; a stray line on
+  that pipe is skipped all the same;
+- no network: a network namespace with only a downed loopback, unless network=True;
+- limits: a timeout (exit code 124; reached even when a command closed its output), process and
+  memory limits through a cgroup (v1 or v2, needs root) when one can be made, else RLIMIT_NPROC
+  for a non-root user or the per-namespace `kernel.pid_max` (Linux >= 6.14) for root, and
+  RLIMIT_AS for memory; RLIMIT_FSIZE (one file), RLIMIT_CPU (CPU time per process), a disk quota on
+  the workspace (`disk_mb`, measured every QUOTA_CHECK_S and after each command: over it, the
+  command is stopped and later commands may delete but grow no file until it is back under), and
+  size-limited tmpfs for /tmp and /dev/shm;
+- output capped (head and tail) and sanitised: terminal escape sequences removed, \r made \n,
+  NUL and other control characters replaced; a command with a NUL byte or over MAX_COMMAND_BYTES
+  is not run (exit code 126, the output says why).
+As PID 1, the helper ends every other process of its namespace with one `kill(-1, SIGKILL)` after
+each command, so `setsid`, double forks and ignored SIGTERM do not help a process to survive.
+`sb.mode` and `sb.describe()` say what is active.
 
-Process and memory limits use a cgroup (v1 or v2; needs root) when one can be created, because
-root ignores RLIMIT_NPROC. Otherwise: RLIMIT_NPROC for a non-root user, or the per-namespace
-`kernel.pid_max` (Linux >= 6.14) for root, and RLIMIT_AS for memory. File size (RLIMIT_FSIZE) and
-CPU time (RLIMIT_CPU) are plain rlimits. `sb.mode` and `sb.describe()` say what is active.
+Where the machine allows no namespaces, isolation "subreaper": the helper marks itself a child
+subreaper, so orphaned descendants are re-parented to it, and it SIGKILLs its whole descendant
+tree. Commands still hold no capabilities and the limits hold, but the host filesystem is visible
+and writable where this user may write, and the network is reachable (a warning says so). If the
+allowlisted root cannot be built (Linux < 5.12: no mount_setattr), a warning says so and commands
+see the host's filesystem.
+
+What it does not promise: it is not a VM. A kernel exploit, a side channel (timing, shared CPU
+caches) or a denial of service the kernel does not account to the sandbox (say, filling the disk
+inside one quota interval) is outside what it stops; the quota is checked, not enforced by the
+filesystem. Read-only things in the allowlist (the interpreter, /etc, `mounts`) are readable by
+design: never mount anything that holds an answer. Use gVisor or a VM for a stronger boundary.
 
 Semantics worth knowing:
 - every run() is a fresh `bash -c` started in the workspace: the working directory, shell
   variables and `cd` do not carry over between calls; files do;
 - when the command's shell exits, anything it left running (background jobs, daemons) is ended:
   a run() is self-contained;
-- stdin is closed; stdout and stderr are merged; the environment is only PATH, HOME (= the
-  workspace), LANG=C.UTF-8 and the variables passed in `env`;
+- stdin is closed; stdout and stderr are merged; the environment is only PATH (the interpreter's
+  bin directory first, so `python` is the running interpreter), HOME (= the workspace),
+  LANG=C.UTF-8 and the variables passed in `env`;
 - a timeout gives exit_code 124 (like coreutils `timeout`); death by signal N gives 128 + N;
 - the workspace directory itself is bind-mounted once: change what is inside it (or restore()),
   never delete and recreate the directory while the sandbox is open.
-
-What is simplified on purpose: commands run as the calling user (root included), the host
-filesystem is visible (read-only), and the helper's pipes are reachable through /proc by a process of the
-same user. This contains runaway and careless commands; it is not a security boundary against a
-deliberately malicious program (use a VM or gVisor for that).
 """
 
+import ctypes
 import functools
 import io
 import json
 import os
+import re
 import resource
 import select
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tarfile
@@ -72,6 +101,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 GRACE_S = 10.0  # extra wait for the helper's reply beyond a command's timeout before declaring it dead
+MAX_COMMAND_BYTES = 100_000   # a longer command is refused (the kernel caps one exec argument at 128 KiB)
+QUOTA_CHECK_S = 0.5           # how often a running command's workspace is measured against disk_mb
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")   # as the host has them
 
 
 @dataclass
@@ -188,6 +220,54 @@ def _count_user_processes(uid: int) -> int:
     return n
 
 
+@functools.lru_cache(maxsize=None)
+def interpreter_paths() -> tuple[str, ...]:
+    """The running interpreter as a sandbox shows it: its prefixes, the real directory of its
+    executable and its site-packages, wherever they live (a venv under /tmp, pyenv under $HOME)."""
+    import site
+    paths = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+             os.path.dirname(sys.executable), os.path.dirname(os.path.realpath(sys.executable)),
+             *site.getsitepackages()]
+    user_site = site.getusersitepackages()
+    if user_site in sys.path:   # `pip install --user` packages, when this interpreter uses them
+        paths.append(user_site)
+    return tuple(p for p in paths if os.path.isdir(p))
+
+
+def _allowlist(ro_paths, mounts: list) -> tuple[list, list]:
+    """(binds, symlinks) of a sandbox's new root, the workspace aside. binds: (path inside, host
+    path, writable), with every same-path bind resolved and those already inside another one
+    dropped; symlinks: top-level system links such as /bin -> usr/bin, recreated as on the host."""
+    symlinks, same_path = [], []
+    for d in SYSTEM_DIRS:
+        if os.path.islink(d):
+            symlinks.append((d, os.readlink(d)))
+        elif os.path.isdir(d):
+            same_path.append(d)
+    same_path += [os.path.realpath(p) for p in (*interpreter_paths(), *ro_paths)]
+    kept = []
+    for p in sorted(set(same_path)):   # sorted: a parent comes before what it contains
+        if not any(p.startswith(q.rstrip("/") + "/") for q in kept):
+            kept.append(p)
+    for inside, _ in mounts:   # a mount point inside a read-only bind could not be made
+        under = [q for q in kept if inside == q or inside.startswith(q.rstrip("/") + "/")]
+        assert not under, f"mounts: {inside!r} lies inside {under[0]}, which a sandbox shows already; choose a neutral path such as /opt/deps"
+    return [(p, p, False) for p in kept] + [(inside, host, False) for inside, host in mounts], symlinks
+
+
+def _check_mounts(mounts: dict) -> list[tuple[str, str]]:
+    """Sandbox(mounts=...) as (path inside, resolved host path) pairs, or a one-line error."""
+    checked = []
+    for inside, host in mounts.items():
+        assert isinstance(inside, str) and os.path.isabs(inside), f"mounts: the path inside must be absolute, got {inside!r}"
+        inside = os.path.normpath(inside)
+        assert inside not in ("/", "/tmp") and not inside.startswith(("/proc", "/dev")), \
+            f"mounts: {inside!r} would cover what every sandbox needs; choose a neutral path such as /opt/deps"
+        assert os.path.exists(host), f"mounts: host path {str(host)!r} (for {inside}) does not exist"
+        checked.append((inside, os.path.realpath(host)))
+    return checked
+
+
 # ----------------------------------------------------------------------------- the sandbox
 
 class Sandbox:
@@ -195,21 +275,23 @@ class Sandbox:
 
     def __init__(self, timeout: float = 30.0, workdir=None, network: bool = False, env: dict | None = None,
                  memory_mb: int = 4096, max_output: int = 32768, max_procs: int = 256,
-                 max_file_mb: int = 512, cpu_seconds: int = 600, protect_host: bool = True,
-                 isolation: str = "auto", ro_paths=()):
+                 max_file_mb: int = 512, cpu_seconds: int = 600, disk_mb: int = 1024, protect_host: bool = True,
+                 isolation: str = "auto", ro_paths=(), mounts: dict | None = None):
         """timeout: default seconds per run(); workdir: reuse this directory (kept on close) instead
         of a fresh temporary one (removed on close); network: allow network access; env: extra
         environment variables; memory_mb: memory of all processes together (per process under the
         RLIMIT_AS fallback); max_output: bytes of output kept (half head, half tail); max_procs:
-        processes+threads at once; max_file_mb: largest file a command may write; cpu_seconds: CPU
-        time per process; protect_host: make everything but the workspace read-only, with a private
-        /tmp (namespace modes only); isolation: "auto", or force "namespace" / "userns" / "subreaper";
-        ro_paths: host directories under /tmp that commands must still read (the private /tmp would
-        hide them), e.g. a package cache; they stay read-only."""
+        processes+threads at once; max_file_mb: largest file a command may write (and the size of
+        the private /tmp); cpu_seconds: CPU time per process; disk_mb: quota of the workspace;
+        protect_host: build the filesystem from the allowlist (namespace modes only); isolation:
+        "auto", or force "namespace" / "userns" / "subreaper"; ro_paths: more host paths to show
+        read-only at their own path; mounts: {path inside: host path} to show read-only at a neutral
+        path, e.g. {"/opt/deps": cache_dir} (then put /opt/deps on PYTHONPATH through env)."""
         assert timeout > 0, f"timeout must be positive seconds, got {timeout}"
         assert max_output >= 64, f"max_output must be at least 64 bytes, got {max_output}"
         assert max_procs >= 4, f"max_procs must be at least 4 (the helper, bash and a pipe), got {max_procs}"
-        assert memory_mb >= 64 and max_file_mb >= 1 and cpu_seconds >= 1, "memory_mb, max_file_mb, cpu_seconds too small"
+        assert memory_mb >= 64 and max_file_mb >= 1 and cpu_seconds >= 1 and disk_mb >= 1, \
+            "memory_mb, max_file_mb, cpu_seconds, disk_mb too small"
         env = dict(env or {})
         for k, v in env.items():
             assert isinstance(k, str) and isinstance(v, str) and "=" not in k, f"env must map str to str, got {k!r}: {v!r}"
@@ -219,15 +301,18 @@ class Sandbox:
         self.timeout, self.network, self.max_output, self.mode = float(timeout), network, max_output, isolation
         self.protect_host = protect_host and isolation != "subreaper"   # needs a mount namespace
 
+        binds, symlinks = _allowlist(ro_paths, _check_mounts(dict(mounts or {})))
+
         self._owns_workdir = workdir is None
         self.workdir = Path(tempfile.mkdtemp(prefix="sandbox-") if workdir is None else workdir).resolve()
         self.workdir.mkdir(parents=True, exist_ok=True)
         assert self.workdir.is_dir(), f"workdir {self.workdir} is not a directory"
+        binds.append((str(self.workdir), str(self.workdir), True))   # the one writable host directory
 
         # limits: a cgroup where we may create one, else the best rlimit-style guard for this user
         name = f"sandbox-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._cgroups, cgroup_kind = _make_cgroups(name, max_procs, memory_mb) if os.geteuid() == 0 else ([], "")
-        rlimits = {"RLIMIT_FSIZE": max_file_mb << 20, "RLIMIT_CORE": 0}
+        rlimits = {"RLIMIT_FSIZE": min(max_file_mb, disk_mb) << 20, "RLIMIT_CORE": 0}
         pid_max = None
         if cgroup_kind:
             self.limits = {"procs": cgroup_kind, "memory": cgroup_kind}
@@ -244,18 +329,22 @@ class Sandbox:
             else:
                 self.limits["procs"] = "none (root without cgroups: a fork bomb is not contained)"
                 warnings.warn("sandbox: running as root without a writable cgroup; process count is not limited")
+        self.limits["disk"] = f"{disk_mb} MB workspace quota"
         if isolation == "subreaper" and (not network or protect_host):
-            warnings.warn("sandbox: no namespaces on this machine; commands can reach the network and write "
-                          "anywhere this user may (isolation='subreaper')")
+            warnings.warn("sandbox: no namespaces on this machine; commands can reach the network and read and "
+                          "write anywhere this user may (isolation='subreaper')")
 
-        self._env = {"PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
+        # PATH: the running interpreter first, so that `python` in a command is this one (pyenv's
+        # shims live in $HOME, which a sandbox does not show)
+        self._env = {"PATH": os.pathsep.join([os.path.realpath(os.path.dirname(sys.executable)),
+                                              "/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin"]),
                      "HOME": str(self.workdir), "LANG": "C.UTF-8", **env}
         bash = shutil.which("bash", path=self._env["PATH"])
         assert bash, f"bash not found on PATH={self._env['PATH']}"
         self._config = {"workdir": str(self.workdir), "mode": isolation, "rlimits": rlimits, "bash": bash,
                         "cpu_seconds": cpu_seconds, "cgroups": [str(d) for d in self._cgroups], "pid_max": pid_max,
-                        "protect_host": self.protect_host, "tmp_mb": max_file_mb,
-                        "ro_paths": [str(Path(p).resolve()) for p in ro_paths]}
+                        "new_root": self.protect_host, "tmp_mb": max_file_mb, "disk_bytes": disk_mb << 20,
+                        "binds": binds, "symlinks": symlinks}
         self._lock = threading.Lock()   # one command at a time per sandbox; sandboxes run side by side
         self._proc, self._proc_box = None, [None]   # the box is shared with the finalizer, which must not hold self
         # cleanup even if the caller forgets close(): ends the helper and removes what we created
@@ -268,23 +357,33 @@ class Sandbox:
             raise
 
     def _start_helper(self) -> None:
-        argv = [sys.executable, "-I", "-S", os.path.abspath(__file__), "--serve", json.dumps(self._config)]
+        # the config travels on stdin, and the helper gets no host environment
+        argv = [sys.executable, "-I", "-S", os.path.abspath(__file__), "--serve"]
         if self.mode in ("namespace", "userns"):
             flags = ["--user", "--map-root-user"] if self.mode == "userns" else []
             flags += ["--pid", "--fork", "--kill-child", "--mount-proc"] + ([] if self.network else ["--net"])
             argv = ["unshare", *flags, *argv]
-        # the helper gets no host environment: a command can read /proc/1/environ inside the namespace
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=self.workdir,
                                 env={"PATH": self._env["PATH"], "LANG": "C.UTF-8"}, start_new_session=True)
         self._proc_box[0] = proc
         self._proc, self._buf = proc, b""
+        try:
+            proc.stdin.write(json.dumps(self._config).encode() + b"\n")
+            proc.stdin.flush()
+        except BrokenPipeError:
+            pass
         ready = self._read_line(deadline=time.monotonic() + 30)
-        if ready and ready.get("ready") is False and self._config["protect_host"]:
-            warnings.warn(f"sandbox: cannot make the host read-only ({ready['error']}); the host filesystem is writable")
+        if ready and ready.get("stage") == "root":
+            warnings.warn(f"sandbox: cannot build the allowlisted filesystem ({ready['error']}); "
+                          "commands see the host's and may write where this user may")
             _stop_helper(proc)
-            self._config["protect_host"] = self.protect_host = False
+            self._config["new_root"] = self.protect_host = False
             return self._start_helper()
-        assert ready == {"ready": True}, f"sandbox helper failed to start (got {ready!r}); see its stderr above"
+        if ready != {"ready": True}:
+            _stop_helper(proc)
+            self._proc_box[0] = self._proc = None
+            why = ready.get("error") if ready else "it exited; see its stderr above"
+            raise RuntimeError(f"sandbox helper failed to start: {why}")
 
     def _read_line(self, deadline: float) -> dict | None:
         """The helper's next JSON reply, or None if it died or missed the deadline."""
@@ -304,16 +403,27 @@ class Sandbox:
             return {}   # not ours (see the request id in run()): skipped by the caller
 
     def run(self, cmd: str, timeout: float | None = None) -> RunResult:
-        """Run `bash -c cmd` in the workspace (fresh shell, cwd = workspace) and return its result."""
-        if not isinstance(cmd, str) or "\0" in cmd:
-            raise ValueError(f"cmd must be a str without NUL bytes, got {cmd!r:.80}")
+        """Run `bash -c cmd` in the workspace (fresh shell, cwd = workspace) and return its result.
+        A command with a NUL byte or longer than MAX_COMMAND_BYTES is not run: exit code 126 and
+        an output saying why."""
+        if not isinstance(cmd, str):
+            raise ValueError(f"cmd must be a str, got {type(cmd).__name__}")
+        if "\0" in cmd:
+            return RunResult(126, "[sandbox: the command contains a NUL byte; it was not run]\n", False, False)
+        try:
+            size = len(cmd.encode())
+        except UnicodeEncodeError:
+            return RunResult(126, "[sandbox: the command is not valid text (a lone surrogate); it was not run]\n", False, False)
+        if size > MAX_COMMAND_BYTES:
+            return RunResult(126, f"[sandbox: the command is {size:,} bytes, over the {MAX_COMMAND_BYTES:,}-byte limit; "
+                                  f"it was not run. Write long content to a file in several commands.]\n", False, False)
         timeout = self.timeout if timeout is None else float(timeout)
         assert timeout > 0, f"timeout must be positive seconds, got {timeout}"
         with self._lock:
             assert self._proc is not None, "this sandbox is closed"
-            # the id lets us skip a line that a command forged onto the helper's stdout via /proc
             rid = uuid.uuid4().hex
             request = {"id": rid, "cmd": cmd, "timeout": timeout, "max_output": self.max_output, "env": self._env}
+            # (a command cannot reach the helper's stdin; the id guards against a stray line all the same)
             try:
                 self._proc.stdin.write(json.dumps(request).encode() + b"\n")
                 self._proc.stdin.flush()
@@ -380,9 +490,9 @@ class Sandbox:
 
     def describe(self) -> str:
         net = "on" if self.network else ("off" if self.mode != "subreaper" else "NOT isolated")
-        host = "read-only but the workspace, private /tmp" if self.protect_host else "writable"
+        files = "allowlist (system, interpreter, mounts) + workspace, private /tmp" if self.protect_host else "the host's"
         return (f"isolation={self.mode}, procs: {self.limits['procs']}, memory: {self.limits['memory']}, "
-                f"network: {net}, host filesystem: {host}")
+                f"disk: {self.limits['disk']}, network: {net}, filesystem: {files}, no capabilities")
 
     def close(self) -> None:
         """End every process this sandbox started; remove its cgroups and a temporary workspace."""
@@ -433,6 +543,20 @@ def _pid_max_is_per_namespace() -> bool:
 
 # ----------------------------------------------------------------------------- the helper (inside the sandbox)
 
+_ESCAPE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]"            # CSI: colours, cursor moves, screen clears
+                     r"|\x1b[\]PX^_][^\x07\x1b]*(?:\x07|\x1b\\)?"   # OSC, DCS, SOS, PM, APC strings (titles, links)
+                     r"|\x1b[ -/]*[0-~]?"                   # any other escape
+                     r"|\x9b[0-?]*[ -/]*[@-~]")             # the one-character CSI
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")     # C0 but \t and \n, DEL, C1
+
+
+def sanitize(text: str) -> str:
+    """What a terminal would act on, made inert: escape sequences go, \\r\\n and a lone \\r become \\n,
+    every other control character (NUL included) becomes U+FFFD."""
+    text = _ESCAPE.sub("", text).replace("\r\n", "\n").replace("\r", "\n")
+    return _CONTROL.sub("\ufffd", text)
+
+
 class _Capture:
     """Keeps the first and last max_bytes/2 bytes of a stream of any length, in O(max_bytes) memory."""
 
@@ -453,9 +577,57 @@ class _Capture:
     def text(self) -> tuple[str, bool]:
         dropped = self.total - len(self.head) - len(self.tail)
         if dropped == 0:
-            return (self.head + self.tail).decode(errors="replace"), False
-        marker = f"\n[... {dropped} bytes of output truncated ...]\n".encode()
-        return (self.head + marker + self.tail).decode(errors="replace"), True
+            return sanitize((self.head + self.tail).decode(errors="replace")), False
+        head, tail = (sanitize(b.decode(errors="replace")) for b in (self.head, self.tail))
+        return f"{head}\n[... {dropped} bytes of output truncated ...]\n{tail}", True
+
+
+class _DiskQuota:
+    """The workspace's size against a limit. Walking a big workspace costs milliseconds, so a walk
+    happens only when the free space of the workspace's filesystem has shrunk by more than the
+    headroom left (one statvfs call otherwise); the verdict always comes from a walk."""
+
+    def __init__(self, path: str, limit: int):
+        self.path, self.limit = path, limit
+        self.used, self.free = _disk_usage(path), _free_bytes(path)
+
+    def over(self) -> bool:
+        free = _free_bytes(self.path)
+        if self.used + (self.free - free) <= self.limit:
+            return False
+        self.used, self.free = _disk_usage(self.path), free
+        return self.used > self.limit
+
+
+def _free_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _disk_usage(path: str) -> int:
+    """Bytes allocated under path (st_blocks, so sparse files count what they use), links not followed."""
+    total, todo = 0, [path]
+    while todo:
+        d = todo.pop()
+        try:
+            entries = list(os.scandir(d))
+        except PermissionError:   # `chmod 000 dir` must not hide files: commands run as our uid, so we may undo it
+            try:
+                os.chmod(d, 0o700)
+                entries = list(os.scandir(d))
+            except OSError:
+                continue
+        except OSError:
+            continue
+        for e in entries:
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            total += st.st_blocks * 512
+            if e.is_dir(follow_symlinks=False):
+                todo.append(e.path)
+    return total
 
 
 def _reap_all_children() -> bool:
@@ -491,7 +663,8 @@ def _end_leftovers(mode: str) -> None:
     """SIGKILL every process the helper's commands left, then reap them all."""
     if mode in ("namespace", "userns"):
         # PID 1 of a namespace: kill(-1) reaches every other process in it, and a process forking
-        # at that instant cannot slip through (fork fails once its parent has a fatal signal)
+        # at that instant cannot slip through (fork fails once its parent has a fatal signal).
+        # No capability is needed: commands run as our own uid and cannot change it.
         assert os.getpid() == 1, "refusing kill(-1) outside a private PID namespace"
         while True:
             try:
@@ -513,32 +686,47 @@ def _end_leftovers(mode: str) -> None:
         time.sleep(0.001)
 
 
-def _run_one(req: dict, config: dict) -> dict:
+def _no_growth() -> None:
+    """preexec_fn of a command run over quota: no file may grow; a write fails ("File too large")
+    instead of killing the writer, so `rm` later in the same command still runs."""
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # an ignored signal stays ignored across exec
+
+
+def _run_one(req: dict, config: dict, quota: _DiskQuota) -> dict:
     capture = _Capture(req["max_output"])
+    # over quota: this command may delete and truncate, but no file may grow (a full fork, rare)
+    full = quota.over()
     proc = subprocess.Popen([config["bash"], "-c", req["cmd"]], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, cwd=config["workdir"], env=req["env"], start_new_session=True)
+                            stderr=subprocess.STDOUT, cwd=config["workdir"], env=req["env"], start_new_session=True,
+                            preexec_fn=_no_growth if full else None)
     fd = proc.stdout.fileno()
-    deadline = time.monotonic() + req["timeout"]
-    timed_out = False
+    now = time.monotonic()
+    deadline, next_quota_check = now + req["timeout"], now + QUOTA_CHECK_S
+    stopped = ""   # why the helper ended the command: "" | "timeout" | "quota"
     poller = select.poll()
     poller.register(fd, select.POLLIN)
     pidfd = os.pidfd_open(proc.pid) if hasattr(os, "pidfd_open") else None   # readable once bash exits
     if pidfd is not None:
         poller.register(pidfd, select.POLLIN)
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            timed_out = True
+    while proc.poll() is None:   # the shell's exit ends the command, even if a background job holds the pipe
+        now = time.monotonic()
+        if now >= deadline:
+            stopped = "timeout"
             break
-        events = dict(poller.poll(min(left, 0.05) * 1000))   # without a pidfd, look every 50 ms
+        if now >= next_quota_check:
+            next_quota_check = now + QUOTA_CHECK_S
+            if quota.over():
+                stopped = "quota"
+                break
+        events = dict(poller.poll(min(deadline - now, 0.05) * 1000))   # without a pidfd, look every 50 ms
         if events.get(fd):
             chunk = os.read(fd, 1 << 20)
-            if not chunk:
-                break   # EOF: every writer has exited
-            capture.add(chunk)
-        if proc.poll() is not None:
-            break   # the shell is gone; a background job may still hold the pipe open
-    if timed_out:
+            if chunk:
+                capture.add(chunk)
+            else:   # EOF (`exec >&-` gets here too): keep waiting for the shell, until the deadline
+                poller.unregister(fd)
+    if stopped:
         os.killpg(proc.pid, signal.SIGKILL)   # bash leads its own session, so its group id is its pid
     proc.wait()   # reap bash first so its status is not lost to the generic reaping below
     _end_leftovers(config["mode"])
@@ -555,98 +743,177 @@ def _run_one(req: dict, config: dict) -> dict:
     if pidfd is not None:
         os.close(pidfd)
     output, truncated = capture.text()
+    if stopped == "quota" or quota.over():
+        output += (f"\n[sandbox: the workspace uses {quota.used >> 20} MB, over its {quota.limit >> 20} MB quota"
+                   f"{'; the command was stopped' if stopped else ''}; until files are deleted no file may grow]\n")
     code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
-    return {"id": req["id"], "exit_code": 124 if timed_out else code, "output": output,
-            "timed_out": timed_out, "truncated": truncated}
+    return {"id": req["id"], "exit_code": 124 if stopped == "timeout" else code, "output": output,
+            "timed_out": stopped == "timeout", "truncated": truncated}
 
 
-def _protect_host(workdir: str, tmp_mb: int, ro_paths=()) -> None:
-    """Inside our mount namespace: make every mount read-only, give /tmp and /dev/shm private tmpfs,
-    bring back the ro_paths the tmpfs hid (read-only), and mount the workspace back writable.
-    Needs Linux >= 5.12 (mount_setattr)."""
-    import ctypes
-    import struct
-    libc = ctypes.CDLL(None, use_errno=True)
+# --- the helper's set-up: a new root from the allowlist, then no privileges
 
-    def check(ret, what):
-        if ret != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"{what}: {os.strerror(err)}")
-
-    def mount_setattr(path: str, attr_set: int, attr_clr: int, recursive: bool):
-        SYS_mount_setattr, AT_FDCWD, AT_RECURSIVE = 442, -100, 0x8000   # 442 on every 64-bit arch
-        attr = struct.pack("QQQQ", attr_set, attr_clr, 0, 0)   # struct mount_attr
-        flags = AT_RECURSIVE if recursive else 0
-        check(libc.syscall(SYS_mount_setattr, AT_FDCWD, path.encode(), flags, attr, len(attr)), f"mount_setattr {path}")
-
-    MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MOUNT_ATTR_RDONLY = 2, 4, 4096, 16384, 1
-    handle = os.open(workdir, os.O_PATH)   # the workspace may sit under /tmp, which the tmpfs will hide
-    hidden = [(p, os.open(p, os.O_PATH)) for p in ro_paths
-              if p.startswith(("/tmp/", "/dev/shm/")) and os.path.isdir(p)]
-    mount_setattr("/", MOUNT_ATTR_RDONLY, 0, recursive=True)
-    for d in ("/tmp", "/dev/shm"):
-        if os.path.isdir(d):
-            check(libc.mount(b"tmpfs", d.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, f"size={tmp_mb}m,mode=1777".encode()),
-                  f"mount tmpfs on {d}")
-    for path, h in hidden:                 # read-only binds: they keep the flag of the source mount
-        os.makedirs(path, exist_ok=True)
-        check(libc.mount(f"/proc/self/fd/{h}".encode(), path.encode(), None, MS_BIND | MS_REC, None),
-              f"bind-mount {path}")
-        os.close(h)
-    os.makedirs(workdir, exist_ok=True)   # a mount point inside the new /tmp, if the workspace was under /tmp
-    check(libc.mount(f"/proc/self/fd/{handle}".encode(), workdir.encode(), None, MS_BIND | MS_REC, None),
-          f"bind-mount {workdir}")
-    os.close(handle)
-    mount_setattr(workdir, 0, MOUNT_ATTR_RDONLY, recursive=True)   # the bind copied the read-only flag
+_LIBC = ctypes.CDLL(None, use_errno=True)
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC = 1, 2, 4, 8, 4096, 16384
+MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, MOUNT_ATTR_NODEV = 1, 2, 4
+DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 
 
-def serve(config: dict) -> None:
-    """The helper's loop: one JSON request per stdin line, one JSON reply per stdout line."""
-    for d in config["cgroups"]:
-        Path(d, "cgroup.procs").write_text("0")   # "0" = this process; children inherit the cgroup
-    # The other rlimits go on the helper itself so that commands inherit them: setting them in
-    # each child (preexec_fn) would cost a full fork instead of a vfork, +1 ms a command. They do
-    # not hinder the helper: it writes no files and needs little memory.
-    for name, value in config["rlimits"].items():
-        resource.setrlimit(getattr(resource, name), (value, value))
-    # CPU time: a soft limit only. Each command starts its own count at 0 and SIGXCPU ends it; the
-    # helper's own count may pass the limit too, so it catches SIGXCPU (the handler is reset at exec)
-    _, hard = resource.getrlimit(resource.RLIMIT_CPU)
-    soft = config["cpu_seconds"] if hard == resource.RLIM_INFINITY else min(config["cpu_seconds"], hard)
-    resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
-    signal.signal(signal.SIGXCPU, lambda *_: None)
-    if config["pid_max"]:
-        Path("/proc/sys/kernel/pid_max").write_text(str(config["pid_max"]))
-    if config["mode"] == "subreaper":
-        import ctypes
-        PR_SET_CHILD_SUBREAPER = 36
-        assert ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0, "prctl failed"
+def _check(ret: int, what: str) -> None:
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _mount(source, target: str, fstype, flags: int, data=None) -> None:
+    enc = lambda s: None if s is None else s.encode()
+    _check(_LIBC.mount(enc(source), target.encode(), enc(fstype), flags, enc(data)), f"mount {target}")
+
+
+def _mount_setattr(path: str, attr_set: int, attr_clr: int = 0, recursive: bool = True) -> None:
+    """Set flags on the mount at path (and every mount below it): Linux >= 5.12."""
+    SYS_mount_setattr, AT_FDCWD, AT_RECURSIVE = 442, -100, 0x8000   # 442 on every architecture
+    attr = struct.pack("QQQQ", attr_set, attr_clr, 0, 0)   # struct mount_attr
+    _check(_LIBC.syscall(SYS_mount_setattr, AT_FDCWD, path.encode(), AT_RECURSIVE if recursive else 0,
+                         attr, len(attr)), f"mount_setattr {path}")
+
+
+def _bind(fd: int, target: str, is_dir: bool, attrs: int) -> None:
+    """Bind what fd (an O_PATH handle) points at onto target, created in the new root, with attrs."""
+    if is_dir:
+        os.makedirs(target, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o644))
+    _mount(f"/proc/self/fd/{fd}", target, None, MS_BIND | MS_REC)
+    _mount_setattr(target, attrs, 0 if attrs & MOUNT_ATTR_RDONLY else MOUNT_ATTR_RDONLY)
+
+
+def _build_root(config: dict) -> None:
+    """Replace our root by a tmpfs holding only the allowlist (see the module docstring), and enter it.
+    Needs a private mount namespace (unshare gives one) and Linux >= 5.12 (mount_setattr)."""
+    # open every source first: the workspace, a venv or a mount may sit under /tmp, which the new root hides
+    binds = [(inside, os.open(host, os.O_PATH), os.path.isdir(host), writable)
+             for inside, host, writable in config["binds"]]
+    devices = [(f"/dev/{d}", os.open(f"/dev/{d}", os.O_PATH)) for d in DEVICES if os.path.exists(f"/dev/{d}")]
+    root = "/tmp"   # any directory will do as the mount point of the new root
+    _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
+    for name, link in config["symlinks"]:
+        os.symlink(link, root + name)
+    os.makedirs(root + "/proc")
+    hide_gid = next(g for g in range(65534, 0, -1) if g not in os.getgroups() and g != os.getgid())
+    try:   # hidepid: a command sees its own processes, never the helper (non-dumpable, so not "its own")
+        _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, f"hidepid=invisible,gid={hide_gid}")
+    except OSError:   # Linux < 5.8
+        _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, f"hidepid=2,gid={hide_gid}")
+    os.makedirs(root + "/dev")
+    _mount("tmpfs", root + "/dev", "tmpfs", MS_NOSUID, "size=64k,mode=0755")
+    for path, fd in devices:
+        _bind(fd, root + path, False, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID)   # writes to a device still work
+    for name, link in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                       ("stderr", "/proc/self/fd/2")):
+        os.symlink(link, f"{root}/dev/{name}")
+    for d in ("/dev/shm", "/tmp"):
+        os.makedirs(root + d)
+        _mount("tmpfs", root + d, "tmpfs", MS_NOSUID | MS_NODEV, f"size={config['tmp_mb']}m,mode=1777")
+    for inside, fd, is_dir, writable in sorted(binds):   # parents before children
+        attrs = MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | (0 if writable else MOUNT_ATTR_RDONLY)
+        _bind(fd, root + inside, is_dir, attrs)
+        os.close(fd)
+    for d in ("/dev", ""):   # the skeleton itself goes read-only last (its own mount only)
+        _mount_setattr(root + d, MOUNT_ATTR_RDONLY, recursive=False)
+    os.chdir(root)
+    SYS_pivot_root = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}.get(os.uname().machine)
+    assert SYS_pivot_root, f"pivot_root: unknown syscall number on {os.uname().machine}"
+    _check(_LIBC.syscall(SYS_pivot_root, b".", b"."), "pivot_root")   # the old root now sits on top of the new one
+    _check(_LIBC.umount2(b".", 2), "detach the old root")            # MNT_DETACH: and now it is gone
+    os.chdir("/")
+
+
+def _drop_privileges() -> None:
+    """No capability is left for us or for anything we exec, none can be regained (no_new_privs:
+    setuid binaries and file capabilities are inert), and we are non-dumpable, so a command can
+    neither read nor write our /proc entries (our stdin, our memory)."""
+    PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT = 4, 24, 28, 38, 47
+    status = dict(line.split(":\t", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":\t" in line)
+    if int(status["CapEff"], 16) & (1 << 8):   # CAP_SETPCAP: empty the bounding set, lock root out of exec's caps
+        # NOROOT, NO_SETUID_FIXUP, KEEP_CAPS (locked) and NO_CAP_AMBIENT_RAISE, each with its lock bit
+        _check(_LIBC.prctl(PR_SET_SECUREBITS, 0b11101111, 0, 0, 0), "PR_SET_SECUREBITS")
+        last_cap = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
+        for cap in range(last_cap + 1):
+            _check(_LIBC.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), f"PR_CAPBSET_DROP {cap}")
+    _LIBC.prctl(PR_CAP_AMBIENT, 4, 0, 0, 0)   # PR_CAP_AMBIENT_CLEAR_ALL (EINVAL before Linux 4.3: none to clear)
+    header = struct.pack("Ii", 0x20080522, 0)   # _LINUX_CAPABILITY_VERSION_3, this process
+    _check(_LIBC.capset(header, bytes(24)), "capset")   # effective, permitted, inheritable: all empty
+    _check(_LIBC.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "PR_SET_NO_NEW_PRIVS")
+    _check(_LIBC.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "PR_SET_DUMPABLE")
+    status = dict(line.split(":\t", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":\t" in line)
+    assert all(int(status[k], 16) == 0 for k in ("CapInh", "CapPrm", "CapEff", "CapAmb")), "capabilities left"
+
+
+def serve() -> None:
+    """The helper's loop: its config on the first stdin line, then one JSON request per line, one
+    JSON reply per stdout line. Lines that are not a request are skipped."""
+    config = json.loads(sys.stdin.buffer.readline())
     out = sys.stdout.buffer
 
     def reply(obj):
         out.write(json.dumps(obj).encode() + b"\n")
         out.flush()
 
-    if config["protect_host"]:
-        try:   # last: it makes /sys and /proc read-only too
-            _protect_host(config["workdir"], config["tmp_mb"], config.get("ro_paths", ()))
+    try:
+        for d in config["cgroups"]:
+            Path(d, "cgroup.procs").write_text("0")   # "0" = this process; children inherit the cgroup
+        # The other rlimits go on the helper itself so that commands inherit them: setting them in
+        # each child (preexec_fn) would cost a full fork instead of a vfork, +1 ms a command. They do
+        # not hinder the helper: it writes no files and needs little memory.
+        for name, value in config["rlimits"].items():
+            resource.setrlimit(getattr(resource, name), (value, value))
+        # CPU time: a soft limit only. Each command starts its own count at 0 and SIGXCPU ends it; the
+        # helper's own count may pass the limit too, so it catches SIGXCPU (the handler is reset at exec)
+        _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+        soft = config["cpu_seconds"] if hard == resource.RLIM_INFINITY else min(config["cpu_seconds"], hard)
+        resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
+        signal.signal(signal.SIGXCPU, lambda *_: None)
+        if config["pid_max"]:
+            Path("/proc/sys/kernel/pid_max").write_text(str(config["pid_max"]))
+        if config["mode"] == "subreaper":
+            PR_SET_CHILD_SUBREAPER = 36
+            _check(_LIBC.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "PR_SET_CHILD_SUBREAPER")
+    except OSError as e:
+        reply({"ready": False, "stage": "limits", "error": str(e)})
+        return
+    if config["new_root"]:
+        try:
+            _build_root(config)
         except OSError as e:
-            reply({"ready": False, "error": str(e)})
+            reply({"ready": False, "stage": "root", "error": str(e)})
             return
+    os.chdir(config["workdir"])
+    try:
+        _drop_privileges()
+    except (OSError, AssertionError) as e:
+        reply({"ready": False, "stage": "privileges", "error": str(e)})
+        return
     # a handler, not SIG_IGN: as PID 1 we must not die of a command's `kill -INT 1`, and handlers
     # (unlike SIG_IGN) are reset at exec, so commands still get the default SIGINT
     signal.signal(signal.SIGINT, lambda *_: None)
+    quota = _DiskQuota(config["workdir"], config["disk_bytes"])
     reply({"ready": True})
     for line in sys.stdin.buffer:
-        req = json.loads(line)
         try:
-            reply(_run_one(req, config))
+            req = json.loads(line)
+            assert isinstance(req, dict) and {"id", "cmd", "timeout", "max_output", "env"} <= req.keys()
+        except (ValueError, AssertionError):
+            continue   # not a request of ours
+        try:
+            reply(_run_one(req, config, quota))
         except Exception as e:   # a bad request must not take the helper down
             _end_leftovers(config["mode"])
-            reply({"id": req.get("id"), "error": f"{type(e).__name__}: {e}"})
+            reply({"id": req["id"], "error": f"{type(e).__name__}: {e}"})
     _end_leftovers(config["mode"])   # stdin closed: the sandbox is closing (or its owner died)
 
 
 if __name__ == "__main__":
-    assert sys.argv[1:2] == ["--serve"], "usage: this file is a library; `--serve CONFIG` is its helper"
-    serve(json.loads(sys.argv[2]))
+    assert sys.argv[1:] == ["--serve"], "usage: this file is a library; `--serve` (config on stdin) is its helper"
+    serve()
