@@ -24,7 +24,12 @@ Attention kernels are the model's business (`model.attn_impl`): PyTorch SDPA on 
 Sampling: logits / temperature -> softmax -> optional top-p truncation -> one draw from a seeded
 torch.Generator (temperature 0 = argmax). The logprob returned for a token is log_softmax(logits / T)
 at that token, *before* top-p truncation (greedy: the untempered log_softmax), so that a learner can
-recompute it exactly from one forward over prompt + completion.
+recompute it exactly from one forward over prompt + completion at the same temperature (ppo.Batch carries
+each row's). Rows sampled with top_p < 1 are therefore not behaviour logprobs of the sampler, and
+ppo.make_batch refuses them for training.
+
+Weights: the whole call runs inside model.transposed_weights, so decode steps multiply by transposed
+weight copies made at the first step and dropped when the call returns (nothing goes stale between calls).
 
 Host syncs: the finish check needs the sampled tokens on the host. On CPU that costs nothing, so we
 read them back every step; on CUDA they are read back every `sync_every` steps (default 8) so the host
@@ -40,7 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from model import row_groups
+from model import row_groups, transposed_weights
 
 
 @dataclass
@@ -180,86 +185,88 @@ def generate(
     prefilled. Saved caches grow as needed (Cache.resized), so a long conversation never reserves
     the whole context up front."""
     max_new = _check_inputs(model, prompts, max_new_tokens, temperature, top_p)
-    stop = {int(t) for t in stop_token_ids}
-    device = next(model.parameters()).device
-    prefixes = list(prefixes) if prefixes is not None else [None] * len(prompts)
-    assert len(prefixes) == len(prompts), f"{len(prefixes)} prefixes for {len(prompts)} prompts"
-    for i, pf in enumerate(prefixes):
-        if pf is not None and not 0 < pf.num_tokens < len(prompts[i]):
-            raise ValueError(f"prefix {i} holds {pf.num_tokens} tokens: the prompt ({len(prompts[i])} tokens) "
-                             f"must extend it")
-    if sync_every is None:
-        sync_every = 1 if device.type == "cpu" else 8
-    if prefill_token_budget is None:
-        prefill_token_budget = 1024 if device.type == "cpu" else 4096
-    if keep_prefix:
-        # the saved state must stop exactly at the last kept token: a DeltaNet state cannot be rewound
-        # past tokens that were sampled after a stop token and fed through the model
-        sync_every = 1
-    assert sync_every >= 1, f"sync_every must be >= 1, got {sync_every}"
-    # seed=None still goes through torch's global RNG, so torch.manual_seed() makes runs repeatable
-    if seed is None:
-        seed = int(torch.randint(0, 2**62, (1,)).item())
-    generator = torch.Generator(device=device).manual_seed(seed)
+    # transposed weight copies for the decode steps of this call only, dropped on return (model.Linear)
+    with transposed_weights(model):
+        stop = {int(t) for t in stop_token_ids}
+        device = next(model.parameters()).device
+        prefixes = list(prefixes) if prefixes is not None else [None] * len(prompts)
+        assert len(prefixes) == len(prompts), f"{len(prefixes)} prefixes for {len(prompts)} prompts"
+        for i, pf in enumerate(prefixes):
+            if pf is not None and not 0 < pf.num_tokens < len(prompts[i]):
+                raise ValueError(f"prefix {i} holds {pf.num_tokens} tokens: the prompt ({len(prompts[i])} tokens) "
+                                 f"must extend it")
+        if sync_every is None:
+            sync_every = 1 if device.type == "cpu" else 8
+        if prefill_token_budget is None:
+            prefill_token_budget = 1024 if device.type == "cpu" else 4096
+        if keep_prefix:
+            # the saved state must stop exactly at the last kept token: a DeltaNet state cannot be rewound
+            # past tokens that were sampled after a stop token and fed through the model
+            sync_every = 1
+        assert sync_every >= 1, f"sync_every must be >= 1, got {sync_every}"
+        # seed=None still goes through torch's global RNG, so torch.manual_seed() makes runs repeatable
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+        generator = torch.Generator(device=device).manual_seed(seed)
 
-    # --- prefill: shortest prompts first, so each micro-batch holds prompts of similar length;
-    # prompts continuing a saved prefix only prefill their new tokens
-    need = max(len(p) + m for p, m in zip(prompts, max_new))   # the longest any row can grow
-    # one slot count for the whole batch (rows are concatenated): at least what any row needs and
-    # any saved cache holds, rounded up to 256 so a growing conversation rarely reallocates
-    saved = max((pf.cache.max_seq_len for pf in prefixes if pf is not None), default=0)
-    cache_len = max(cache_len or 0, saved, -(-need // 256) * 256)
-    fresh = sorted((i for i in range(len(prompts)) if prefixes[i] is None), key=lambda i: len(prompts[i]))
-    cont = sorted((i for i in range(len(prompts)) if prefixes[i] is not None),
-                  key=lambda i: len(prompts[i]) - prefixes[i].num_tokens)
-    parts = []
-    if fresh:
-        parts.append(prefill(model, [list(prompts[i]) for i in fresh], cache_len, prefill_token_budget, device))
-    if cont:
-        parts.append(prefill(model, [list(prompts[i][prefixes[i].num_tokens:]) for i in cont], cache_len,
-                             prefill_token_budget, device, prefixes=[prefixes[i] for i in cont]))
-    order = fresh + cont
-    cache = parts[0][0] if len(parts) == 1 else type(parts[0][0]).cat([p[0] for p in parts])
-    logits = torch.cat([p[1] for p in parts], dim=0)
+        # --- prefill: shortest prompts first, so each micro-batch holds prompts of similar length;
+        # prompts continuing a saved prefix only prefill their new tokens
+        need = max(len(p) + m for p, m in zip(prompts, max_new))   # the longest any row can grow
+        # one slot count for the whole batch (rows are concatenated): at least what any row needs and
+        # any saved cache holds, rounded up to 256 so a growing conversation rarely reallocates
+        saved = max((pf.cache.max_seq_len for pf in prefixes if pf is not None), default=0)
+        cache_len = max(cache_len or 0, saved, -(-need // 256) * 256)
+        fresh = sorted((i for i in range(len(prompts)) if prefixes[i] is None), key=lambda i: len(prompts[i]))
+        cont = sorted((i for i in range(len(prompts)) if prefixes[i] is not None),
+                      key=lambda i: len(prompts[i]) - prefixes[i].num_tokens)
+        parts = []
+        if fresh:
+            parts.append(prefill(model, [list(prompts[i]) for i in fresh], cache_len, prefill_token_budget, device))
+        if cont:
+            parts.append(prefill(model, [list(prompts[i][prefixes[i].num_tokens:]) for i in cont], cache_len,
+                                 prefill_token_budget, device, prefixes=[prefixes[i] for i in cont]))
+        order = fresh + cont
+        cache = parts[0][0] if len(parts) == 1 else type(parts[0][0]).cat([p[0] for p in parts])
+        logits = torch.cat([p[1] for p in parts], dim=0)
 
-    # --- decode: all live rows advance together, so they share the count of generated tokens
-    outs = [Completion() for _ in prompts]
-    live = order                             # prompt index of each cache row
-    num_generated = 0
-    pending_tokens, pending_logprobs = [], []  # (B_live,) device tensors not yet read on the host
-    while True:
-        tokens, logprobs = sample(logits, temperature, top_p, generator)  # (B,), (B,)
-        pending_tokens.append(tokens)
-        pending_logprobs.append(logprobs)
-        num_generated += 1
-        # forced read-back on the step where the first live row reaches its length limit, so no row
-        # ever writes past its slot in the cache
-        if len(pending_tokens) == sync_every or num_generated == min(max_new[i] for i in live):
-            block_tokens = torch.stack(pending_tokens, dim=1).tolist()  # (B, k) host sync
-            block_logprobs = torch.stack(pending_logprobs, dim=1).tolist()
-            pending_tokens, pending_logprobs = [], []
-            keep = []
-            for row, i in enumerate(live):
-                out, done = outs[i], False
-                for t, lp in zip(block_tokens[row], block_logprobs[row]):
-                    out.tokens.append(t)
-                    out.logprobs.append(lp)
-                    if t in stop:
-                        out.finish_reason, done = "stop", True
-                        break  # tokens sampled after the stop token (sync_every > 1) are discarded
-                    if len(out.tokens) == max_new[i]:
-                        out.finish_reason, done = "length", True
-                        break
-                if not done:
-                    keep.append(row)
-                elif keep_prefix:   # the cache holds prompt + tokens[:-1]: the last token was never fed
-                    out.prefix = Prefix(cache.take([row]), len(prompts[i]) + len(out.tokens) - 1)
-            if not keep:
-                break
-            if len(keep) < len(live):  # drop finished rows from the batch and the cache
-                idx = torch.tensor(keep, device=device)
-                cache.select(idx)
-                tokens = tokens[idx]
-                live = [live[row] for row in keep]
-        logits = model(tokens[:, None], cache=cache)[:, -1].float()  # (B, V)
-    return outs
+        # --- decode: all live rows advance together, so they share the count of generated tokens
+        outs = [Completion() for _ in prompts]
+        live = order                             # prompt index of each cache row
+        num_generated = 0
+        pending_tokens, pending_logprobs = [], []  # (B_live,) device tensors not yet read on the host
+        while True:
+            tokens, logprobs = sample(logits, temperature, top_p, generator)  # (B,), (B,)
+            pending_tokens.append(tokens)
+            pending_logprobs.append(logprobs)
+            num_generated += 1
+            # forced read-back on the step where the first live row reaches its length limit, so no row
+            # ever writes past its slot in the cache
+            if len(pending_tokens) == sync_every or num_generated == min(max_new[i] for i in live):
+                block_tokens = torch.stack(pending_tokens, dim=1).tolist()  # (B, k) host sync
+                block_logprobs = torch.stack(pending_logprobs, dim=1).tolist()
+                pending_tokens, pending_logprobs = [], []
+                keep = []
+                for row, i in enumerate(live):
+                    out, done = outs[i], False
+                    for t, lp in zip(block_tokens[row], block_logprobs[row]):
+                        out.tokens.append(t)
+                        out.logprobs.append(lp)
+                        if t in stop:
+                            out.finish_reason, done = "stop", True
+                            break  # tokens sampled after the stop token (sync_every > 1) are discarded
+                        if len(out.tokens) == max_new[i]:
+                            out.finish_reason, done = "length", True
+                            break
+                    if not done:
+                        keep.append(row)
+                    elif keep_prefix:   # the cache holds prompt + tokens[:-1]: the last token was never fed
+                        out.prefix = Prefix(cache.take([row]), len(prompts[i]) + len(out.tokens) - 1)
+                if not keep:
+                    break
+                if len(keep) < len(live):  # drop finished rows from the batch and the cache
+                    idx = torch.tensor(keep, device=device)
+                    cache.select(idx)
+                    tokens = tokens[idx]
+                    live = [live[row] for row in keep]
+            logits = model(tokens[:, None], cache=cache)[:, -1].float()  # (B, V)
+        return outs

@@ -25,6 +25,14 @@ prox == behav (w = 1) is ordinary PPO. Staleness is bounded by eta (`max_lag`): 
 exceeds it are *dropped* (mask 0, out of the token count), not down-weighted: w already corrects an
 admissible row without bias, while any down-weighting function would be an arbitrary bias, and past
 eta the ratios w have too much variance to be worth a gradient. eta = 0 is synchronous PPO.
+Two optional guards bound what a far-off-policy token can do (both off by default; see policy_loss for
+when to turn them on): `behav_imp_weight_cap` (AReaL: tokens with w above the cap leave the loss) and
+`clip_ratio_c` (verl's dual-clip: a negative-advantage token costs at most -A * c before w).
+
+Temperature: generate reports logprobs of softmax(logits / T), so every row carries the T it was sampled
+at (Batch.temperatures, from rollout's Segment.temperature through make_batch) and the learner computes
+prox, current, reference logprobs and the entropy of each row under softmax(logits / T) too: w is then
+exactly 1 on synchronous rows at any T. Rows sampled with top_p < 1 are refused (make_batch says why).
 
 Token alignment: every [B, T] tensor is aligned with `tokens`: logprobs[:, t] is log p(tokens[t] |
 tokens[<t]) (computed from the logits at t-1), values[:, t] = V(hidden[t-1]) is the value of the state in
@@ -50,11 +58,13 @@ from the per-token rewards before GAE and construct the Learner with kl_coef=0.
 
 Simplified on purpose: no sequence packing (micro-batches are right-padded, rows sorted by length), no
 tensor/pipeline parallelism, no CPU offload, the reference model is not checkpointed (it is frozen:
-rebuild it from the same weights), one process group for everything.
+rebuild it from the same weights), one process group for everything. A checkpoint is complete once its
+`done.json` marker exists (written last); a damaged one fails to load with a one-line ValueError.
 """
 from __future__ import annotations
 
 import copy
+import json
 import math
 import os
 import pickle
@@ -139,6 +149,7 @@ class Batch:
     returns: torch.Tensor | None = None      # [B, T] value targets (GAE mode)
     old_values: torch.Tensor | None = None   # [B, T] values at rollout time, for the clipped value loss
     sft_mask: torch.Tensor | None = None     # [B, T] 1 on tokens trained with plain cross-entropy
+    temperatures: torch.Tensor | None = None  # [B] the temperature each row was sampled at (None: all 1)
 
     def __post_init__(self):
         assert self.tokens.dim() == 2, f"tokens must be [B, T], got {tuple(self.tokens.shape)}"
@@ -147,7 +158,7 @@ class Batch:
             x = getattr(self, f.name)
             if x is None or f.name == "tokens":
                 continue
-            want = (B,) if f.name in ("lengths", "versions") else (B, T)
+            want = (B,) if f.name in ("lengths", "versions", "temperatures") else (B, T)
             assert tuple(x.shape) == want, f"Batch.{f.name} is {tuple(x.shape)}, expected {want}"
         for name in ("loss_mask", "sft_mask"):
             m = getattr(self, name)
@@ -174,15 +185,34 @@ class Batch:
 
 
 def make_batch(tokens, loss_mask, behav_logprobs=None, advantages=None, *, returns=None, old_values=None,
-               versions=None, sft_mask=None, pad_id: int = 0) -> Batch:
-    """Pad ragged rows (lists, e.g. rollout.Episode fields) into a Batch.
+               versions=None, sft_mask=None, temperatures=None, top_p=1.0, pad_id: int = 0) -> Batch:
+    """Pad ragged rows (lists, e.g. rollout.Segment fields) into a Batch.
 
     tokens, loss_mask, behav_logprobs: one list per row, same lengths. advantages: one float per row
     (critic-free: broadcast to the row's tokens) or one list per row. returns / old_values / sft_mask:
     lists per row. versions: one int per row (default 0). Missing logprobs / advantages are zeros
-    (e.g. a pure SFT batch)."""
+    (e.g. a pure SFT batch).
+
+    temperatures: the sampling temperature of each row (one float, or one per row: Segment.temperature),
+    so the learner scores every row under the distribution it was sampled from; default 1. A greedy row
+    (0) is scored at 1, as generate reports its logprobs untempered. top_p: the nucleus the rows were
+    sampled with (one float or one per row); below 1 is refused, because generate's behaviour logprobs
+    are those of the untruncated distribution, so pi_prox / pi_behav would not be an importance weight
+    of the sampler: train on rows sampled with top_p = 1 (evaluate with any top_p)."""
     B = len(tokens)
     assert B > 0, "make_batch needs at least one row"
+    top_ps = [top_p] * B if isinstance(top_p, (int, float)) else list(top_p)
+    if len(top_ps) != B:
+        raise ValueError(f"{len(top_ps)} top_p values for {B} rows")
+    if min(top_ps) < 1.0:
+        raise ValueError(f"rows sampled with top_p={min(top_ps)} cannot be trained on: their behaviour "
+                         f"logprobs are of the untruncated distribution; sample training rows with top_p=1")
+    temps = [temperatures] * B if temperatures is None or isinstance(temperatures, (int, float)) else list(temperatures)
+    if len(temps) != B:
+        raise ValueError(f"{len(temps)} temperatures for {B} rows")
+    temps = [1.0 if t is None or t == 0 else float(t) for t in temps]
+    if min(temps) < 0:
+        raise ValueError(f"temperatures must be >= 0, got {min(temps)}")
     lengths = [len(t) for t in tokens]
     T = max(lengths)
     assert min(lengths) >= 2, "every row needs at least 2 tokens (a context and a trained token)"
@@ -211,7 +241,8 @@ def make_batch(tokens, loss_mask, behav_logprobs=None, advantages=None, *, retur
         versions=torch.tensor(versions if versions is not None else [0] * B, dtype=torch.long),
         returns=pad(returns, "returns") if returns is not None else None,
         old_values=pad(old_values, "old_values") if old_values is not None else None,
-        sft_mask=pad(sft_mask, "sft_mask") if sft_mask is not None else None)
+        sft_mask=pad(sft_mask, "sft_mask") if sft_mask is not None else None,
+        temperatures=torch.tensor(temps, dtype=torch.float32))
 
 
 def fresh_rows(versions: torch.Tensor, version: int, max_lag: int) -> torch.Tensor:
@@ -238,21 +269,30 @@ def micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
 # per-token quantities and losses: pure functions of [B, T] tensors
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """logits [B, T, V] of a forward over tokens [B, T] -> [B, T]: out[:, t] = log p(tokens[t] | tokens[<t])
-    under softmax(logits / temperature) (generate's convention); out[:, 0] = 0."""
-    B, T, V = logits.shape
+def _tempered(logits: torch.Tensor, temperature) -> torch.Tensor:
+    """logits[:, :-1] (the ones that predict tokens 1..T-1) in fp32, divided by the temperature: a float,
+    or a [B] tensor with one temperature per row (Batch.temperatures)."""
     lg = logits[:, :-1].float()
-    if temperature != 1.0:
-        lg = lg / temperature
+    if torch.is_tensor(temperature):
+        return lg / temperature.to(lg.device, lg.dtype)[:, None, None]
+    return lg if temperature == 1.0 else lg / temperature
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature=1.0) -> torch.Tensor:
+    """logits [B, T, V] of a forward over tokens [B, T] -> [B, T]: out[:, t] = log p(tokens[t] | tokens[<t])
+    under softmax(logits / temperature) (generate's convention); out[:, 0] = 0. temperature: a float or a
+    [B] tensor (one per row)."""
+    B, T, V = logits.shape
+    lg = _tempered(logits, temperature)
     # cross_entropy = fused log_softmax + gather: no second [B, T, V] tensor kept for backward
     lp = -F.cross_entropy(lg.reshape(-1, V), tokens[:, 1:].reshape(-1), reduction="none").view(B, T - 1)
     return F.pad(lp, (1, 0))
 
 
-def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the next-token distribution that chose token t: [B, T, V] -> [B, T] (0 at t = 0)."""
-    lg = logits[:, :-1].float()
+def token_entropy(logits: torch.Tensor, temperature=1.0) -> torch.Tensor:
+    """Entropy of the next-token distribution softmax(logits / temperature) that chose token t:
+    [B, T, V] -> [B, T] (0 at t = 0)."""
+    lg = _tempered(logits, temperature)
     ent = torch.logsumexp(lg, -1) - (torch.softmax(lg, -1) * lg).sum(-1)
     return F.pad(ent, (1, 0))
 
@@ -263,15 +303,31 @@ def _mask(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 
 def policy_loss(logprobs, prox_logprobs, behav_logprobs, advantages, mask, clip_low=0.2, clip_high=0.28,
-                num_tokens=None):
+                num_tokens=None, *, behav_imp_weight_cap=None, clip_ratio_c=None):
     """Token-level decoupled PPO, all tensors [B, T] (see the module docstring):
     sum(mask * w * max(-A*r, -A*clip(r, 1-clip_low, 1+clip_high))) / num_tokens (default sum(mask)),
     r = exp(logprobs - prox_logprobs), w = exp(prox_logprobs - behav_logprobs) without gradient.
     -> (loss, stats); stats are 0-dim tensors over the same denominator: clipfrac (share of tokens
     whose clipped term is active, i.e. no gradient), approx_kl (k3 estimate of KL(prox || cur)),
-    behav_kl (k3 of KL(behav || prox): how off-policy the rows are), is_weight (mean w)."""
+    behav_kl (k3 of KL(behav || prox): how off-policy the rows are), is_weight (mean w).
+
+    Two guards for asynchronous rows, both off by default (None) and both AReaL's / verl's semantics:
+    - behav_imp_weight_cap (AReaL's `behav_imp_weight_cap`, > 1): a token whose w exceeds the cap is
+      *masked out* of the loss (its weight set to 0, as AReaL does; it still counts in num_tokens), not
+      clipped to the cap. Turn it on when rows are stale (max_lag >= 1) or the sampler runs in another
+      precision than the learner (a bf16 generation copy): there w strays from 1, and one token with a
+      huge w would otherwise dominate the gradient. stats["behav_cap_frac"]: share of tokens masked.
+    - clip_ratio_c (verl's dual-clip `clip_ratio_c`, typically 3.0, > 1): for A < 0 the clipped term is
+      further bounded, min(max(-A*r, -A*clip(r)), -A*c), so a negative-advantage token whose ratio r has
+      run far above 1 (which PPO's max never bounds) costs at most -A*c before w. Turn it on for
+      off-policy rows with negative advantages (async training, critic-free groups).
+      stats["dualclip_frac"]: share of tokens where the bound is active."""
     shapes = [tuple(x.shape) for x in (logprobs, prox_logprobs, behav_logprobs, advantages, mask)]
     assert len(set(shapes)) == 1 and len(shapes[0]) == 2, f"policy_loss needs five [B, T] tensors, got {shapes}"
+    if behav_imp_weight_cap is not None and not behav_imp_weight_cap > 1.0:
+        raise ValueError(f"behav_imp_weight_cap must be > 1 (or None), got {behav_imp_weight_cap}")
+    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 (or None), got {clip_ratio_c}")
     m = mask.bool()
     n = m.sum().clamp(min=1) if num_tokens is None else num_tokens
     # sanitise first: a nan at a masked position would otherwise turn 0 * nan into a nan gradient
@@ -283,7 +339,16 @@ def policy_loss(logprobs, prox_logprobs, behav_logprobs, advantages, mask, clip_
     w = torch.exp(prox - behav)                                                     # no grad: detached inputs
     pg1 = -adv * ratio
     pg2 = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    per_token = w * torch.maximum(pg1, pg2)
+    clipped = torch.maximum(pg1, pg2)
+    if clip_ratio_c is not None:                    # dual-clip: bound the negative-advantage tokens
+        bound = -adv * clip_ratio_c
+        dual = (adv < 0) & (clipped > bound)
+        clipped = torch.where(dual, bound, clipped)
+    w_used = w
+    if behav_imp_weight_cap is not None:            # AReaL: tokens past the cap leave the loss
+        capped = w > behav_imp_weight_cap
+        w_used = torch.where(capped, torch.zeros((), dtype=w.dtype, device=w.device), w)
+    per_token = w_used * clipped
     loss = _mask(per_token, m).sum() / n
     with torch.no_grad():
         log_w = prox - behav
@@ -294,6 +359,10 @@ def policy_loss(logprobs, prox_logprobs, behav_logprobs, advantages, mask, clip_
             "behav_kl": _mask(torch.exp(log_w) - 1 - log_w, m).sum() / n,
             "is_weight": _mask(w, m).sum() / n,
         }
+        if behav_imp_weight_cap is not None:
+            stats["behav_cap_frac"] = _mask(capped.float(), m).sum() / n
+        if clip_ratio_c is not None:
+            stats["dualclip_frac"] = _mask(dual.float(), m).sum() / n
     return loss, stats
 
 
@@ -368,6 +437,15 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def _row_temps(batch: Batch, idx=None):
+    """The sampling temperature of batch's rows (those in idx): one float when they share it (the usual
+    case; 1.0 then costs no [b, t, V] division) or a [b] tensor."""
+    if batch.temperatures is None:
+        return 1.0
+    t = batch.temperatures if idx is None else batch.temperatures[idx]
+    return float(t[0]) if bool((t == t[0]).all()) else t
+
+
 class Learner:
     """Holds the trained policy (+ value head), the frozen reference, AdamW and the version counter.
 
@@ -381,8 +459,13 @@ class Learner:
                  clip_low: float = 0.2, clip_high: float = 0.28, kl_coef: float = 0.01, kl_estimator: str = "k1",
                  entropy_coef: float = 0.0, vf_coef: float = 0.5, value_clip: float | None = 0.2,
                  sft_coef: float = 1.0, max_lag: int = 0, micro_batch_tokens: int = 8192,
+                 behav_imp_weight_cap: float | None = None, clip_ratio_c: float | None = None,
                  gradient_checkpointing: bool = True, generation_copy: bool = True, dist_info: Dist | None = None):
         assert kl_estimator in ("k1", "k3"), f"kl_estimator must be 'k1' or 'k3', got {kl_estimator!r}"
+        if behav_imp_weight_cap is not None and not behav_imp_weight_cap > 1.0:
+            raise ValueError(f"behav_imp_weight_cap must be > 1 (or None = off), got {behav_imp_weight_cap}")
+        if clip_ratio_c is not None and not clip_ratio_c > 1.0:
+            raise ValueError(f"clip_ratio_c must be > 1 (or None = off), got {clip_ratio_c}")
         assert max_lag >= 0 and micro_batch_tokens > 0, "max_lag >= 0 and micro_batch_tokens > 0 required"
         assert hasattr(model, "layers") and hasattr(model, "config"), "model must have .layers and .config"
         self.d = dist_info or Dist(device=next(model.parameters()).device)
@@ -391,6 +474,7 @@ class Learner:
         self.kl_coef, self.kl_estimator, self.entropy_coef = kl_coef, kl_estimator, entropy_coef
         self.vf_coef, self.value_clip, self.sft_coef = vf_coef, value_clip, sft_coef
         self.max_lag, self.micro_batch_tokens = max_lag, micro_batch_tokens
+        self.behav_imp_weight_cap, self.clip_ratio_c = behav_imp_weight_cap, clip_ratio_c   # policy_loss guards
         self.version = 0                    # +1 per update(); rows carry the version that generated them
         dev, cuda = self.d.device, self.d.device.type == "cuda"
 
@@ -439,8 +523,9 @@ class Learner:
         return mbs + [[] for _ in range(int(n) - len(mbs))]
 
     @torch.no_grad()
-    def _score(self, module, batch: Batch, temperature=1.0, values=False):
-        """One no-grad pass over this rank's rows -> logprobs [B, T] (and values [B, T])."""
+    def _score(self, module, batch: Batch, temperature=None, values=False):
+        """One no-grad pass over this rank's rows -> logprobs [B, T] (and values [B, T]), each row under
+        its own sampling temperature (batch.temperatures) unless a temperature is given."""
         B, T = batch.tokens.shape
         lp = torch.zeros(B, T, device=self.d.device)
         vals = torch.zeros(B, T, device=self.d.device) if values else None
@@ -452,18 +537,21 @@ class Learner:
                 out = module(tok)
             logits, v = out if isinstance(out, tuple) else (out, None)
             keep = torch.arange(t_max, device=tok.device)[None] < batch.lengths[idx, None].to(tok.device)
-            lp[idx, :t_max] = token_logprobs(logits, tok, temperature) * keep       # 0 past each row's end
+            temp = temperature if temperature is not None else _row_temps(batch, idx)
+            lp[idx, :t_max] = token_logprobs(logits, tok, temp) * keep             # 0 past each row's end
             if values:
                 vals[idx, :t_max] = v
         return (lp, vals) if values else lp
 
-    def logprobs_of(self, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
-        """Recompute the policy's logprobs of batch.tokens ([B, T], aligned with tokens)."""
+    def logprobs_of(self, batch: Batch, temperature: float | None = None) -> torch.Tensor:
+        """Recompute the policy's logprobs of batch.tokens ([B, T], aligned with tokens), each row at its
+        sampling temperature (batch.temperatures), or at `temperature` when given."""
         self.policy.eval()
         return self._score(self.policy, batch, temperature)
 
     def ref_logprobs_of(self, batch: Batch) -> torch.Tensor:
-        """The frozen reference's logprobs [B, T] (for a KL penalty in the reward instead of the loss)."""
+        """The frozen reference's logprobs [B, T] (for a KL penalty in the reward instead of the loss), at
+        each row's sampling temperature, as the policy's."""
         assert self.ref_model is not None, "ref_logprobs_of needs Learner(ref_model=...)"
         return self._score(self.ref_model, batch)
 
@@ -533,23 +621,26 @@ class Learner:
             smask = (sft_mask[idx, :t_max] * (0.0 if dummy else 1.0)).bool()
             with self.autocast():
                 logits, values = self.policy(tok)                                   # [b, t, V], [b, t]
-            logp = token_logprobs(logits, tok)                                      # [b, t]
+            # every distribution the loss compares is the sampler's: softmax(logits / T) of the row's T
+            temp = _row_temps(mb)                                                   # [b] or 1.0
+            logp = token_logprobs(logits, tok, temp)                                # [b, t]
             mb_prox = prox[idx, :t_max] if prox is not None else logp.detach()
             pg, st = policy_loss(logp, mb_prox, mb.behav_logprobs[:, :t_max], mb.advantages[:, :t_max], mask,
-                                 self.clip_low, self.clip_high, num_tokens=n_pol)
+                                 self.clip_low, self.clip_high, num_tokens=n_pol,
+                                 behav_imp_weight_cap=self.behav_imp_weight_cap, clip_ratio_c=self.clip_ratio_c)
             loss = pg
             for name, value in st.items():
                 add(name, value)
             if self.entropy_coef > 0:
-                ent = _mask(token_entropy(logits), mask).sum() / n_pol
+                ent = _mask(token_entropy(logits, temp), mask).sum() / n_pol
                 loss = loss - self.entropy_coef * ent
             else:                           # only logged: no graph through the [b, t, V] softmax
                 with torch.no_grad():
-                    ent = _mask(token_entropy(logits), mask).sum() / n_pol
+                    ent = _mask(token_entropy(logits, temp), mask).sum() / n_pol
             add("entropy", ent)
             if use_ref:
                 with torch.no_grad(), self.autocast():
-                    ref_logp = token_logprobs(self.ref_model(tok), tok)
+                    ref_logp = token_logprobs(self.ref_model(tok), tok, temp)
                 kl = _mask(kl_to_ref(logp, ref_logp, self.kl_estimator), mask).sum() / n_pol
                 loss = loss + self.kl_coef * kl
                 add("kl_ref", kl)
@@ -633,8 +724,9 @@ class Learner:
     def save(self, path: str, caller_state=None) -> None:
         """torch.distributed.checkpoint of model + value head, optimizer, version, this rank's RNG and
         caller_state (any picklable: stream position, step, ...). Every rank writes its own shards.
-        Crash-safe: the shards go to `path.tmp`, then rank 0 swaps directories, so a run killed while
-        saving still has its previous checkpoint (`checkpoint_path` finds whichever is complete)."""
+        Crash-safe: the shards go to `path.tmp`, then rank 0 writes the `done.json` marker (the last
+        file, once every rank's shards are on disk) and swaps directories, so a run killed while saving
+        still has its previous checkpoint (`checkpoint_path` finds whichever has its marker)."""
         import shutil
         import torch.distributed.checkpoint as dcp
         tmp, old = path + ".tmp", path + ".old"
@@ -648,6 +740,8 @@ class Learner:
         if many:
             dist.barrier()                       # every rank's shards are on disk
         if self.d.is_main:
+            with open(os.path.join(tmp, DONE), "w") as f:      # the completeness marker, written last
+                json.dump({"version": self.version, "world_size": self.d.world_size}, f)
             shutil.rmtree(old, ignore_errors=True)
             if os.path.isdir(path):
                 os.rename(path, old)             # a crash from here on leaves old (or tmp) complete
@@ -660,26 +754,39 @@ class Learner:
         """Restore what save() wrote (the same world size, for the RNG); returns caller_state. The
         generation copy is re-synced, so generation resumes exactly where the saved run stood."""
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import set_state_dict
         found = checkpoint_path(path)
-        assert found is not None, f"no complete checkpoint at {path}"
+        if found is None:
+            raise ValueError(f"no complete checkpoint at {path} (a complete one has {DONE})")
         state = self._dcp_state()
-        with _single_process_quiet():   # tensors load in place, pickled bytes are replaced
-            dcp.load(state, checkpoint_id=found, no_dist=not dist.is_initialized())
-        set_state_dict(self.policy, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+        try:
+            # the index first: when it is damaged, DCP logs a traceback and then asserts
+            dcp.FileSystemReader(found).read_metadata()
+            with _single_process_quiet():   # tensors load in place, pickled bytes are replaced
+                dcp.load(state, checkpoint_id=found, no_dist=not dist.is_initialized())
+            set_state_dict(self.policy, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])
+            rng, caller = pickle.loads(state["rng"][f"rank{self.d.rank}"]), pickle.loads(state["learner"]["caller"])
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's errors are BaseExceptions
+            raise ValueError(f"checkpoint {found} is corrupt or does not match this model "
+                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no message'})") from None
         self.version = int(state["learner"]["version"])
-        _set_rng_state(pickle.loads(state["rng"][f"rank{self.d.rank}"]))
+        _set_rng_state(rng)
         if self.gen_model is not None:
             self.sync_weights()
-        return pickle.loads(state["learner"]["caller"])
+        return caller
+
+
+DONE = "done.json"   # written into a checkpoint dir after everything else: its presence = complete
 
 
 def checkpoint_path(path: str) -> str | None:
     """The complete checkpoint saved at `path`: path itself, or the copy a crash mid-swap left
-    (path.old, then path.tmp, each complete once DCP wrote its .metadata); None if there is none."""
+    (path.old, then path.tmp), each complete only once save() wrote its `done.json` marker last;
+    None if there is none. A dir with DCP's .metadata but no marker is a save that died half-way."""
     for p in (path, path + ".old", path + ".tmp"):
-        if os.path.exists(os.path.join(p, ".metadata")):
+        if os.path.isfile(os.path.join(p, DONE)):
             return p
     return None
 
@@ -693,8 +800,8 @@ def _single_process_quiet():
         yield
 
 
-HEALTH = ("loss", "pg_loss", "approx_kl", "clipfrac", "behav_kl", "entropy", "kl_ref", "value_loss",
-          "explained_var", "sft_loss", "grad_norm", "response_len", "num_stale", "tokens_per_s")
+HEALTH = ("loss", "pg_loss", "approx_kl", "clipfrac", "behav_kl", "behav_cap_frac", "dualclip_frac", "entropy",
+          "kl_ref", "value_loss", "explained_var", "sft_loss", "grad_norm", "response_len", "num_stale", "tokens_per_s")
 
 
 def stats_line(stats: dict) -> str:

