@@ -19,11 +19,20 @@ functions. `data/codebase/build.py` computed the test lists.
 
 Episode: the workspace (env.workdir) holds the repository at the bugged state as a git repo, with
 the FAIL_TO_PASS test functions cut out of its test files. Every action is a shell command run
-there (output capped), or `submit`. Grading copies the agent's package directory into a separate
-directory holding the pristine, complete test files and runs FAIL_TO_PASS + PASS_TO_PASS there.
-Resolution is SWE-bench's: every FAIL_TO_PASS test passes and every PASS_TO_PASS test still
-passes; a missing package, an error or a timeout is unresolved. (PASS_TO_PASS runs only once
-every FAIL_TO_PASS test passes: it cannot change the verdict otherwise, and it is the slow part.)
+there in a sandbox (output capped), or `submit`. The sandbox's filesystem shows the system, the
+interpreter, the test dependencies (at /opt/rime-deps, on PYTHONPATH) and the workspace; nothing of
+this project: not its source, not data/codebase/*.json (patches, test lists), not the cache with
+the pristine sources. Memory: `codebase` (RIME) starts every task with an empty workspace, since
+RIME's memory is the writer's text; `coding` (CAMG) keeps `.agent_memory/` through the episode,
+and from task to task only with keep_memory=True.
+Grading builds its own tree on the host: the agent's package copied next to the pristine, complete
+test files from the cache (for SWE-bench rows: the agent's checkout with the pristine test files
+put back, then test_patch), and runs FAIL_TO_PASS + PASS_TO_PASS there in a fresh sandbox, with
+planted control tests and cross-checks so that a report the tested code forges does not count
+(see "What the grader guarantees" below). Resolution is SWE-bench's: every FAIL_TO_PASS test
+passes and every PASS_TO_PASS test still passes; a missing package, an error, a timeout or an
+untrusted run is unresolved. (PASS_TO_PASS runs only once every FAIL_TO_PASS test passes: it
+cannot change the verdict otherwise, and it is the slow part.)
 Rewards (paid by the `submit` step; 40 steps at most, running out pays 0; rollout.py shows the
 turns left):
 - codebase: `1 - (solved_step - 1) / 40` if resolved else 0 (the RIME benchmark's reward);
@@ -37,18 +46,21 @@ Streams (test split = the held-out long streams; train = every other task):
 
 `load_swebench_jsonl(path, repo_root)` turns SWE-bench rows (instance_id, repo, base_commit,
 problem_statement, patch, test_patch, FAIL_TO_PASS, PASS_TO_PASS, test_command, test_timeout) into
-Tasks both envs run from local git checkouts (test_patch applied only in the grading copy).
+Tasks both envs run from local git checkouts (test_patch applied only in the grading copy); bad
+input is a one-line ValueError.
 
 Simplified on purpose: the hidden tests come from the release's own test files, not from the
-upstream PR's test patch; test dependencies are pip-installed into the cache, not per-task
-images; the sandbox is a subprocess (sandbox.py), so an agent that reaches outside its
-workspace by absolute path could find the cache: the benchmark relies on the workspace holding no
-hidden test, as SWE-bench does.
+upstream PR's test patch; test dependencies are pip-installed into the cache, not per-task images;
+the sandbox is a namespace, not a VM (sandbox.py says what it does and does not promise).
 """
 
 import ast
+import io
 import json
 import os
+import random
+import re
+import secrets
 import shlex
 import shutil
 import subprocess
@@ -56,8 +68,9 @@ import sys
 import tarfile
 import tempfile
 import threading
+import weakref
 import xml.etree.ElementTree as ET
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from envs import MEMORY_DIR, Task, read_memory, write_memory
@@ -69,6 +82,7 @@ COMMAND_TIMEOUT = 30.0    # seconds per agent shell command
 GRADE_TIMEOUT = 120.0     # seconds for one hidden-test run
 OBS_CHARS = 2000          # command output shown to the agent (head and tail kept)
 PATCH_EOF = "RIME_PATCH_EOF"  # heredoc delimiter of the reference policy's patch
+DEPS_MOUNT = "/opt/rime-deps"  # where a sandbox sees the test dependencies (a neutral path, not the cache's)
 
 
 @dataclass(frozen=True)
@@ -186,25 +200,44 @@ def test_stream(env_name: str = "codebase") -> list[Task]:
 test_stream.__test__ = False  # not a pytest test when imported into a test module
 
 
+SWEBENCH_FIELDS = ("instance_id", "repo", "base_commit", "problem_statement", "patch", "test_patch",
+                   "FAIL_TO_PASS", "PASS_TO_PASS", "test_command", "test_timeout")
+
+
 def load_swebench_jsonl(path, repo_root, env_name: str = "coding") -> list[Task]:
     """SWE-bench rows -> Tasks. repo_root: a git checkout, or a folder of checkouts named after
-    the repo's last part ("jazzband/tablib" -> repo_root/tablib). test_command must run pytest:
-    the test ids are appended to it, with --junitxml."""
-    fields = ("instance_id", "repo", "base_commit", "problem_statement", "patch", "test_patch",
-              "FAIL_TO_PASS", "PASS_TO_PASS", "test_command", "test_timeout")
+    the repo's last part ("jazzband/tablib" -> repo_root/tablib), holding base_commit (nothing is
+    fetched). test_command must run pytest: the test ids are appended to it, with --junitxml.
+    A missing file, a row without the fields above or a repository not available offline raises
+    ValueError with a one-line message."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"SWE-bench file {path} does not exist")
     tasks = []
-    for num, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for num, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
-        row = json.loads(line)
-        missing = [f for f in fields if f not in row]
-        assert not missing, f"{path}:{num}: row lacks {missing}; SWE-bench rows need {fields}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{num}: not a JSON object ({exc})") from None
+        missing = [f for f in SWEBENCH_FIELDS if not isinstance(row, dict) or f not in row]
+        if missing:
+            raise ValueError(f"{path}:{num}: row lacks {', '.join(missing)} (SWE-bench rows need {', '.join(SWEBENCH_FIELDS)})")
         root = Path(repo_root)
-        checkout = root if (root / ".git").exists() else root / row["repo"].split("/")[-1]
-        assert (checkout / ".git").exists(), f"{path}:{num}: no git checkout for {row['repo']} at {checkout}"
-        data = {k: row[k] for k in fields}
+        checkout = root if (root / ".git").exists() else root / str(row["repo"]).split("/")[-1]
+        if not (checkout / ".git").exists():
+            raise ValueError(f"{path}:{num}: {row['repo']} is not available offline: no git checkout at {checkout}")
+        found = subprocess.run(["git", "-C", str(checkout), "cat-file", "-e", f"{row['base_commit']}^{{commit}}"],
+                               capture_output=True)
+        if found.returncode != 0:
+            raise ValueError(f"{path}:{num}: the checkout {checkout} lacks base_commit {row['base_commit']}")
+        data = {k: row[k] for k in SWEBENCH_FIELDS}
         for k in ("FAIL_TO_PASS", "PASS_TO_PASS"):   # the HF dataset stores these as JSON strings
-            data[k] = json.loads(data[k]) if isinstance(data[k], str) else list(data[k])
+            try:
+                data[k] = json.loads(data[k]) if isinstance(data[k], str) else list(data[k])
+            except (json.JSONDecodeError, TypeError):
+                raise ValueError(f"{path}:{num}: {k} must be a list of test ids (or one as a JSON string)") from None
         data.update(kind="swebench", checkout=str(checkout.resolve()), issue=row["problem_statement"])
         tasks.append(Task(id=f"{env_name}/{row['instance_id']}", env=env_name, difficulty=1,
                           group=row["repo"], split="test", data=data))
@@ -273,24 +306,29 @@ def _copy_tree(src: Path, dst: Path, items) -> None:
             shutil.copy2(s, d)
 
 
+def pristine_tree(repo: str, dest: Path, package: bool = True) -> None:
+    """The release's files a task uses (package, tests, README, our pytest.ini), copied from the cache."""
+    spec = REPOS[repo]
+    _copy_tree(source_dir(spec.name), dest, [c for c in spec.copy if package or c != spec.package])
+    for rel in spec.drop:
+        (dest / rel).unlink(missing_ok=True)
+    (dest / "pytest.ini").write_text(PYTEST_INI)
+
+
+def _git_archive(checkout: str, commit: str) -> bytes:
+    return subprocess.run(["git", "-C", checkout, "archive", "--format=tar", commit],
+                          capture_output=True, check=True).stdout
+
+
 def prepare_workspace(data: dict, workdir: Path) -> None:
-    """Fill an (empty but for .agent_memory) workdir with the task's repository at the bug."""
+    """Fill an empty workdir (but for .agent_memory) with the task's repository at the bug."""
     if data["kind"] == "native":
-        spec = REPOS[data["repo"]]
-        _copy_tree(source_dir(spec.name), workdir, spec.copy)
-        for rel in spec.drop:
-            (workdir / rel).unlink(missing_ok=True)
+        pristine_tree(data["repo"], workdir)
         apply_edits(workdir, data["edits"])
         hide_tests(workdir, data["FAIL_TO_PASS"])
-        (workdir / "pytest.ini").write_text(PYTEST_INI)
     else:
-        archive = subprocess.run(["git", "-C", data["checkout"], "archive", "--format=tar", data["base_commit"]],
-                                 capture_output=True, check=True).stdout
-        with tempfile.TemporaryFile() as f:
-            f.write(archive)
-            f.seek(0)
-            with tarfile.open(fileobj=f) as tar:
-                tar.extractall(workdir, filter="data")
+        with tarfile.open(fileobj=io.BytesIO(_git_archive(data["checkout"], data["base_commit"]))) as tar:
+            tar.extractall(workdir, filter="data")
     # a git repo at the bugged state, so `git diff` shows the agent its own changes
     env = dict(os.environ, GIT_AUTHOR_NAME="rime", GIT_AUTHOR_EMAIL="rime@localhost",
                GIT_COMMITTER_NAME="rime", GIT_COMMITTER_EMAIL="rime@localhost")
@@ -303,15 +341,41 @@ def prepare_workspace(data: dict, workdir: Path) -> None:
 
 
 def agent_env(data: dict, workdir: Path) -> dict:
-    """Extra environment variables of the agent's shell: make the package and test deps importable."""
+    """Extra environment variables of a shell in workdir (the agent's, or a grading run's): the
+    package and the test deps importable, the deps by their neutral path inside the sandbox."""
     if data["kind"] != "native":
         return {"PYTHONDONTWRITEBYTECODE": "1"}
     spec = REPOS[data["repo"]]
-    return {"PYTHONPATH": f"{(workdir / spec.pythonpath).resolve()}{os.pathsep}{deps_dir()}",
+    return {"PYTHONPATH": f"{(workdir / spec.pythonpath).resolve()}{os.pathsep}{DEPS_MOUNT}",
             "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "PYTHONDONTWRITEBYTECODE": "1"}
 
 
+def open_sandbox(workdir: Path, env: dict, timeout: float):
+    """A sandbox on workdir that sees the system, the interpreter, the test deps (at DEPS_MOUNT) and
+    workdir: nothing of this project (its source, data/, the cache with the pristine sources)."""
+    from sandbox import Sandbox
+    return Sandbox(timeout=timeout, workdir=workdir, env=env, mounts={DEPS_MOUNT: str(deps_dir())})
+
+
 # ----------------------------------------------------------------------------- grading
+#
+# What the grader guarantees, and what it does not. Grading runs the tests on a copy the grader
+# builds on the host: the agent's package (or, for SWE-bench rows, its checkout with the pristine test
+# files, conftest.py, pytest.ini and tox.ini put back), next to the release's pristine tests, in a
+# fresh directory of a fresh sandbox that the agent never saw and that holds no task data. The code
+# under test runs inside the pytest process, so it can write anything pytest can: the junit report,
+# the output, the exit status. The grader therefore trusts no single channel. It plants control
+# tests with random, plausible names at random places among the real tests, some that must pass and
+# some that must fail, asks for them in a shuffled list with the real ids, and counts the run only
+# when: pytest exits 1 (the must-fail controls fail), the report (at a random name outside the
+# tested tree) has exactly one entry per asked id, every control comes out as planted, and pytest's
+# printed summary agrees with the report. A report forged without running the tests (the known
+# attack: write an all-pass junit file and `os._exit(0)`) fails these checks: it would have to pick
+# out the must-fail controls, 4-8 of 8-16 random names, by chance. What this does not stop: code
+# that reads the planted test files, works out which controls fail, and imitates pytest's report,
+# summary and exit status for them. The controls make that a deliberate program aimed at this grader
+# rather than a cheap trick; a grader that shares no process with the tested code would be needed
+# to rule it out.
 
 @dataclass
 class Grade:
@@ -321,66 +385,216 @@ class Grade:
     error: str = ""                                      # why grading could not run, if it could not
 
 
+@dataclass
+class TestRun:
+    passed: dict                                         # {asked id: passed?}; all False unless trusted
+    seconds: dict                                        # {asked id: seconds, as pytest reported them}
+    error: str = ""                                      # why the run does not count; "" when it does
+
+
+TestRun.__test__ = False  # not a pytest test class when imported into a test module
+
+
 def _junit_key(test_id: str) -> str:
     # pytest's junit classname is the node id's path (dots, no .py) plus its classes
     file, *names = test_id.split("::")
     return ".".join([file.removesuffix(".py").replace("/", "."), *names[:-1]]) + "::" + names[-1]
 
 
-def run_tests(cwd: Path, test_ids: list[str], command: str, env: dict, timeout: float) -> dict:
-    """Run pytest on test_ids in cwd -> {test id: passed?}, plus {'__error__': text} on failure.
-    A test passes iff every junit entry under its id passed (failed subtests count)."""
-    from sandbox import Sandbox
-    xml = cwd / ".rime-junit.xml"
-    cmd = f"{command} -q --tb=no --junitxml={shlex.quote(str(xml))} " + " ".join(shlex.quote(t) for t in test_ids)
-    # the cache (test dependencies) may sit under /tmp, which a sandbox's private /tmp would hide
-    with Sandbox(timeout=timeout, workdir=cwd, env=env, ro_paths=[cache_dir()]) as sb:
-        res = sb.run(cmd)
-    status = {t: False for t in test_ids}
-    if res.timed_out or not xml.exists():
-        status["__error__"] = "timeout" if res.timed_out else res.output[-2000:]
-        return status
-    results = {}
-    for case in ET.parse(xml).getroot().iter("testcase"):
+WORDS = ("value", "empty", "default", "order", "format", "names", "rows", "state", "retry", "result")
+
+
+def _control_test(name: str, must_pass: bool, words: list, rng) -> str:
+    """The source of one control test: a small check in the style of the suite; wrong on purpose
+    when it must fail (the expected value is off)."""
+    a, b, c = rng.sample(range(2, 99), 3)
+    off = rng.choice((-1, 1)) * rng.randint(1, 9)
+    w1, w2 = rng.sample(words, 2) if len(words) >= 2 else ("left", "right")
+    kind = rng.randrange(3)
+    if kind == 0:
+        k = rng.randrange(3)
+        expect = sorted([a, b, c])[k]
+        body = f"    values = [{a}, {b}, {c}]\n    assert sorted(values)[{k}] == {expect if must_pass else expect + off}\n"
+    elif kind == 1:
+        body = (f"    data = {{{w1!r}: {a}, {w2!r}: {b}}}\n"
+                f"    assert data[{w1!r}] + data[{w2!r}] == {a + b if must_pass else a + b + off}\n")
+    else:
+        body = f"    text = \"{w1} {w2}\"\n    assert len(text.split()) == {2 if must_pass else 2 + abs(off)}\n"
+    return f"def {name}():\n{body}"
+
+
+def plant_controls(tree: Path, files: list, rng) -> dict:
+    """Insert 4-8 must-pass and 4-8 must-fail test functions, named from words of the file's own test
+    names, before random top-level statements of the given test files -> {test id: must pass?}."""
+    parsed, words = {}, set()
+    for rel in files:
+        text = (tree / rel).read_text()
+        body = parse_python(text).body
+        names = {n.name for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+        starts = [min([n.lineno] + [d.lineno for d in n.decorator_list]) for n in body
+                  if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+        parsed[rel] = (text, names, starts)
+        words |= {w for n in names for w in n.lower().split("_")[1:] if w.isalpha() and len(w) > 2}
+    words = sorted(words) if len(words) >= 4 else list(WORDS)
+    controls, inserts = {}, {rel: [] for rel in files}
+    for must_pass in [True] * rng.randint(4, 8) + [False] * rng.randint(4, 8):
+        rel = rng.choice(files)
+        text, names, starts = parsed[rel]
+        name = "test_" + "_".join(rng.sample(words, rng.randint(2, 3)))
+        while name in names:
+            name += f"_{rng.choice(words)}"
+        names.add(name)
+        controls[f"{rel}::{name}"] = must_pass
+        line = rng.choice(starts) if starts else len(text.splitlines()) + 1
+        inserts[rel].append((line, _control_test(name, must_pass, words, rng)))
+    for rel, items in inserts.items():
+        lines = parsed[rel][0].splitlines(keepends=True)
+        if lines and not lines[-1].endswith("\n"):
+            lines[-1] += "\n"
+        for line, source in sorted(items, key=lambda item: item[0], reverse=True):  # bottom-up: lines stay valid
+            lines[line - 1:line - 1] = ["\n\n" + source + "\n\n"]
+        (tree / rel).write_text("".join(lines))
+    return controls
+
+
+def _read_report(path: Path) -> dict | None:
+    """{junit key: (passed?, seconds)} from a junit report; None when there is no readable one. A key
+    passes iff every entry under it passed (failed subtests count)."""
+    if path.is_symlink() or not path.is_file():
+        return None
+    try:
+        root = ET.parse(path).getroot()
+    except ET.ParseError:
+        return None
+    cases = {}
+    for case in root.iter("testcase"):
         key = f"{case.get('classname')}::{case.get('name')}"
-        bad = any(child.tag in ("failure", "error", "skipped") for child in case)
-        results[key] = results.get(key, True) and not bad
-    for t in test_ids:
-        status[t] = results.get(_junit_key(t), False)
-    return status
+        ok = not any(child.tag in ("failure", "error", "skipped") for child in case)
+        was_ok, seconds = cases.get(key, (True, 0.0))
+        try:
+            seconds += float(case.get("time") or 0)
+        except ValueError:
+            pass
+        cases[key] = (was_ok and ok, seconds)
+    return cases
+
+
+def _summary_counts(output: str) -> dict | None:
+    """The counts of pytest's last summary line ("2 failed, 40 passed, 3 subtests passed in 0.52s")."""
+    for line in reversed(output.splitlines()):
+        line = line.strip().strip("=").strip()
+        if re.fullmatch(r"\d+ [a-z ]+(, \d+ [a-z ]+)* in [\d.]+s( \([\d:]+\))?", line):
+            return {word: int(n) for n, word in re.findall(r"(\d+) ([a-z ]+?)(?:,|$)", line.rsplit(" in ", 1)[0])}
+    return None
+
+
+def _distrust(exit_code: int, output: str, cases: dict, asked: list, controls: dict) -> str:
+    """Why a finished run's report cannot be believed, or "" when every cross-check holds."""
+    if exit_code != 1:
+        return f"pytest exit status {exit_code}, expected 1 (some planted checks must fail)"
+    keys = {_junit_key(t) for t in asked}
+    if set(cases) != keys:
+        return f"the report has {len(cases)} entries for {len(keys)} asked tests ({len(keys - set(cases))} missing)"
+    wrong = sum(cases[_junit_key(t)][0] != must_pass for t, must_pass in controls.items())
+    if wrong:
+        return f"{wrong} of {len(controls)} planted checks came out wrong"
+    counts = _summary_counts(output)
+    if counts is None:
+        return "pytest printed no summary line"
+    ran = sum(counts.get(k, 0) for k in ("passed", "failed", "skipped", "xfailed", "xpassed"))
+    errors = counts.get("error", 0) + counts.get("errors", 0)
+    if counts.get("passed", 0) != sum(ok for ok, _ in cases.values()) or not ran <= len(asked) <= ran + errors:
+        return f"pytest's summary {counts} disagrees with its report of {len(asked)} tests"
+    return ""
+
+
+def run_tests(data: dict, stage: Path, test_ids: list[str], command: str, timeout: float) -> TestRun:
+    """Run pytest on test_ids in a fresh copy of stage (a complete tree the grader built) -> TestRun.
+    The copy gets planted control tests; the run counts only if the cross-checks above hold."""
+    rng = random.SystemRandom()
+    none = TestRun({t: False for t in test_ids}, {t: 0.0 for t in test_ids})
+    with tempfile.TemporaryDirectory(prefix="codebase-grade-") as tmp:
+        box = Path(tmp)
+        tree = box / "repo"
+        shutil.copytree(stage, tree, symlinks=True)
+        files = sorted({t.split("::")[0] for t in test_ids})
+        if not all((tree / f).is_file() and not (tree / f).is_symlink() for f in files):
+            return replace(none, error="a test file is missing from the grading tree")
+        try:   # in up to 3 of the asked files: parsing every test module would slow each run down
+            controls = plant_controls(tree, rng.sample(files, min(3, len(files))), rng)
+        except (SyntaxError, UnicodeDecodeError, ValueError) as exc:
+            return replace(none, error=f"a test file cannot be parsed: {exc}")
+        asked = [*test_ids, *controls]
+        rng.shuffle(asked)
+        report = box / f"{secrets.token_hex(8)}.xml"   # beside the tree, not in it
+        cmd = (f"cd {tree.name} && {command} -q --tb=no --junitxml={shlex.quote(str(report))} "
+               + " ".join(shlex.quote(t) for t in asked))
+        with open_sandbox(box, agent_env(data, tree), timeout) as sb:
+            res = sb.run(cmd)
+        if res.timed_out:
+            return replace(none, error="timeout")
+        cases = _read_report(report)
+        if cases is None:
+            return replace(none, error="pytest wrote no report: " + res.output[-2000:])
+    reason = _distrust(res.exit_code, res.output, cases, asked, controls)
+    if reason:
+        return replace(none, error=f"grading run untrusted: {reason}")
+    return TestRun({t: cases[_junit_key(t)][0] for t in test_ids}, {t: cases[_junit_key(t)][1] for t in test_ids})
+
+
+TEST_CONFIG = ("conftest.py", "pytest.ini", "tox.ini")   # put back pristine (or removed) before a SWE-bench run
+
+
+def _stage_swebench(data: dict, workdir: Path, stage: Path) -> str:
+    """The agent's checkout with the pristine test files, then test_patch -> "" or why it failed."""
+    shutil.copytree(workdir, stage, symlinks=True, ignore=shutil.ignore_patterns(".git", MEMORY_DIR))
+    patched = re.findall(r"^(?:---|\+\+\+) [ab]/(\S+)", data["test_patch"], flags=re.M)
+    tests = {t.split("::")[0] for t in data["FAIL_TO_PASS"] + data["PASS_TO_PASS"]} | set(patched)
+    is_test = lambda rel: rel in tests or rel.rsplit("/", 1)[-1] in TEST_CONFIG  # noqa: E731
+    for p in [p for p in stage.rglob("*") if p.name in TEST_CONFIG or str(p.relative_to(stage)) in tests]:
+        if p.is_symlink() or p.is_file():
+            p.unlink()         # the agent's copy goes (an added conftest.py too); pristine ones come back
+    try:   # the data filter refuses a member that would land outside stage (through an agent's symlink)
+        with tarfile.open(fileobj=io.BytesIO(_git_archive(data["checkout"], data["base_commit"]))) as tar:
+            tar.extractall(stage, members=[m for m in tar.getmembers() if m.isfile() and is_test(m.name)],
+                           filter="data")
+    except (tarfile.TarError, OSError) as exc:
+        return f"the pristine test files could not be put back: {exc}"
+    applied = subprocess.run(["git", "apply", "-"], cwd=stage, input=data["test_patch"].encode(), capture_output=True)
+    if applied.returncode != 0:
+        return "test_patch did not apply: " + applied.stderr.decode()[-500:]
+    return ""
 
 
 def grade(data: dict, workdir: Path, timeout: float = GRADE_TIMEOUT) -> Grade:
-    """SWE-bench resolution of the agent's workspace, judged in a separate directory."""
+    """SWE-bench resolution of the agent's workspace, judged on a copy the grader builds (see above)."""
     f2p, p2p = data["FAIL_TO_PASS"], data["PASS_TO_PASS"]
-    with tempfile.TemporaryDirectory(prefix="codebase-grade-") as tmp:
-        gdir = Path(tmp)
+    with tempfile.TemporaryDirectory(prefix="codebase-stage-") as tmp:
+        stage = Path(tmp) / "repo"
         if data["kind"] == "native":
             spec = REPOS[data["repo"]]
             pkg = workdir / spec.package
-            if not (pkg / "__init__.py").exists():
+            if pkg.is_symlink() or not pkg.is_dir() or not (pkg / "__init__.py").is_file():
                 return Grade(False, 0.0, f2p + p2p, f"the package {spec.package}/ is gone from the workspace")
-            _copy_tree(source_dir(spec.name), gdir, [c for c in spec.copy if c != spec.package])
-            shutil.copytree(pkg, gdir / spec.package, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
-            (gdir / "pytest.ini").write_text(PYTEST_INI)
-            env = agent_env(data, gdir)
+            pristine_tree(spec.name, stage, package=False)
+            shutil.copytree(pkg, stage / spec.package, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
             command = f"{shlex.quote(sys.executable)} -m pytest"
         else:
-            shutil.copytree(workdir, gdir, dirs_exist_ok=True, symlinks=True,
-                            ignore=shutil.ignore_patterns(".git", MEMORY_DIR))
-            applied = subprocess.run(["git", "apply", "-"], cwd=gdir, input=data["test_patch"].encode(),
-                                     capture_output=True)
-            if applied.returncode != 0:
-                return Grade(False, 0.0, f2p + p2p, "test_patch did not apply: " + applied.stderr.decode()[-500:])
-            env, command = {"PYTHONDONTWRITEBYTECODE": "1"}, data["test_command"]
+            problem = _stage_swebench(data, workdir, stage)
+            if problem:
+                return Grade(False, 0.0, f2p + p2p, problem)
+            command = data["test_command"]
             timeout = float(data.get("test_timeout") or timeout)
         # FAIL_TO_PASS first: most submissions fail one, and then PASS_TO_PASS cannot change the verdict
-        status = run_tests(gdir, f2p, command, env, timeout)
+        run = run_tests(data, stage, f2p, command, timeout)
+        status, error = dict(run.passed), run.error
         if all(status[t] for t in f2p) and p2p:
-            status.update(run_tests(gdir, p2p, command, env, timeout))
+            run = run_tests(data, stage, p2p, command, timeout)
+            status.update(run.passed)
+            error = run.error
     failed = [t for t in f2p + p2p if not status.get(t, False)]
     f2p_frac = sum(status[t] for t in f2p) / max(1, len(f2p))
-    return Grade(not failed, f2p_frac, failed, status.get("__error__", ""))
+    return Grade(not failed, f2p_frac, failed, error)
 
 
 # ----------------------------------------------------------------------------- environments
@@ -410,7 +624,12 @@ def _clean_action(action) -> str:
 
 
 class CodebaseEnv:
-    """RIME's Codebase Adaptation: score = 1 - (solved_step - 1) / 40 when resolved, else 0."""
+    """RIME's Codebase Adaptation: score = 1 - (solved_step - 1) / 40 when resolved, else 0.
+
+    Every task starts in an empty workspace: RIME's memory is the writer's text, given in the prompt,
+    so nothing the agent leaves on disk (its `.agent_memory/` included) reaches the next task. The
+    workspace (env.workdir, a temporary directory) is made on first use and removed by close() or
+    when the env is garbage-collected."""
 
     name = "codebase"
 
@@ -422,10 +641,17 @@ class CodebaseEnv:
                             obs_chars=obs_chars, max_steps=max_steps, require_cache=require_cache)
         self.command_timeout, self.grade_timeout, self.obs_chars = command_timeout, grade_timeout, obs_chars
         self.max_steps = max_steps
-        self.workdir = Path(tempfile.mkdtemp(prefix=f"{self.name}-")).resolve()
-        (self.workdir / MEMORY_DIR).mkdir()
         self.task, self.info, self.num_steps, self.done = None, {}, 0, True
-        self._sandbox = None
+        self._workdir, self._remove_workdir, self._sandbox = None, None, None
+        self._memory_for_next = None   # the files of the last set_memory_files() since the last reset
+
+    @property
+    def workdir(self) -> Path:
+        if self._workdir is None:
+            self._workdir = Path(tempfile.mkdtemp(prefix=f"{self.name}-")).resolve()
+            (self._workdir / MEMORY_DIR).mkdir()
+            self._remove_workdir = weakref.finalize(self, shutil.rmtree, self._workdir, True)
+        return self._workdir
 
     def score(self, resolved: bool, step: int) -> float:
         return 1.0 - (step - 1) / self.max_steps if resolved else 0.0
@@ -434,19 +660,25 @@ class CodebaseEnv:
         assert split in ("train", "test"), f"split must be 'train' or 'test', not {split!r}"
         return [t for t in load_tasks(self.name) if t.split == split]
 
+    def _memory_at_start(self) -> dict:
+        """What `.agent_memory/` holds when the next task starts: nothing, in RIME."""
+        return {}
+
+    def _memory_line(self) -> str:
+        return ""
+
     def reset(self, task: Task) -> str:
         kind = task.data.get("kind") if isinstance(task, Task) else None
         if kind not in ("native", "swebench"):
             raise ValueError(f"{self.name}: not a codebase task: {getattr(task, 'id', task)!r}")
         self._close_sandbox()
-        for child in self.workdir.iterdir():   # everything but the memory folder goes
-            if child.name != MEMORY_DIR:
-                shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
-        (self.workdir / MEMORY_DIR).mkdir(exist_ok=True)
-        prepare_workspace(task.data, self.workdir)
-        from sandbox import Sandbox
-        self._sandbox = Sandbox(timeout=self.command_timeout, workdir=self.workdir,
-                                env=agent_env(task.data, self.workdir), ro_paths=[cache_dir()])
+        memory, self._memory_for_next = self._memory_at_start(), None
+        workdir = self.workdir
+        for child in workdir.iterdir():   # a fresh workspace: everything goes, then the memory comes back
+            shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+        write_memory(workdir, memory)
+        prepare_workspace(task.data, workdir)
+        self._sandbox = open_sandbox(workdir, agent_env(task.data, workdir), self.command_timeout)
         self.task, self.num_steps, self.done = task, 0, False
         self.info = {"resolved": False, "success": 0.0, "f2p_frac": 0.0, "solved_step": 0}
         if kind == "native":
@@ -459,9 +691,8 @@ class CodebaseEnv:
             where, run, example = f"a checkout of {task.data['repo']}", "", "README*"
         return (f"You are fixing a bug in {where}; your shell starts in its root.\n"
                 f"Issue:\n{task.data['issue'].strip()}\n\n{ACTIONS.format(example=example)}\n"
-                + (f"{run}\n" if run else "")
-                + f"Your notes folder {MEMORY_DIR}/ is kept between tasks.\n"
-                f"You have {self.max_steps} turns; each command or submit uses one.")
+                + (f"{run}\n" if run else "") + self._memory_line()
+                + f"You have {self.max_steps} turns; each command or submit uses one.")
 
     def step(self, action) -> tuple[str, float, bool]:
         if self.task is None:
@@ -513,6 +744,9 @@ class CodebaseEnv:
         return read_memory(self.workdir)
 
     def set_memory_files(self, files: dict[str, str]) -> None:
+        """Replace `.agent_memory/` now. In Coding the next reset starts with these files; in RIME's
+        codebase every task still starts empty."""
+        self._memory_for_next = dict(files)
         write_memory(self.workdir, files)
 
     def clone(self):
@@ -525,16 +759,38 @@ class CodebaseEnv:
 
     def close(self) -> None:
         self._close_sandbox()
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        if self._remove_workdir is not None:
+            self._remove_workdir()
+        self._workdir, self._remove_workdir = None, None
 
 
 class CodingEnv(CodebaseEnv):
-    """CAMG's Coding environment: the same tasks, 40 steps, explicit submit, score = resolution."""
+    """CAMG's Coding environment: the same tasks, 40 steps, explicit submit, score = resolution.
+
+    `.agent_memory/` lasts the whole episode (CAMG's context-reset protocol writes CONTINUATION.md
+    there). Across tasks it is blank unless keep_memory=True, which carries the folder from one
+    task to the next on this instance (a stream's file memory); set_memory_files() before a reset
+    always decides what that task starts with (the ablations: blank, shuffled, continuation only)."""
 
     name = "coding"
 
+    def __init__(self, *args, keep_memory: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.keep_memory = keep_memory
+        self._kwargs["keep_memory"] = keep_memory
+
     def score(self, resolved: bool, step: int) -> float:
         return float(resolved)
+
+    def _memory_at_start(self) -> dict:
+        if self._memory_for_next is not None:
+            return self._memory_for_next
+        return self.memory_files() if self.keep_memory else {}
+
+    def _memory_line(self) -> str:
+        if self.keep_memory:
+            return f"Your notes folder {MEMORY_DIR}/ is kept between tasks.\n"
+        return f"Your notes folder {MEMORY_DIR}/ lasts until this task ends.\n"
 
 
 require_cache_fn = require_cache  # CodebaseEnv's keyword argument shadows the function's name

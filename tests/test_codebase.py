@@ -185,22 +185,71 @@ def test_shell_output_is_capped_and_commands_time_out(env):
     assert "timed out" in obs and not done and env.num_steps == 2
 
 
-def test_memory_survives_reset_and_workspace_is_fresh(env):
+def test_codebase_starts_every_task_empty(env):
+    """RIME's memory is the writer's text only: nothing on disk carries over to the next task."""
     tasks = cb.test_stream()
-    env.reset(tasks[0])
+    obs = env.reset(tasks[0])
+    assert "kept between tasks" not in obs and cb.MEMORY_DIR not in obs
     env.step("echo 'tablib: headers may be None' > .agent_memory/notes.md && echo junk > scratch.txt")
+    assert env.memory_files() == {"notes.md": "tablib: headers may be None\n"}   # within the task: there
+    env.set_memory_files({"seed.md": "x"})
     env.reset(tasks[1])
-    assert env.memory_files() == {"notes.md": "tablib: headers may be None\n"}
-    assert not (env.workdir / "scratch.txt").exists()
-    obs, _, _ = env.step("git status --short")
-    assert "notes.md" not in obs, "memory must stay out of the task's git status"
-    env.set_memory_files({"a/b.md": "x"})
-    assert env.memory_files() == {"a/b.md": "x"}
+    assert env.memory_files() == {} and not (env.workdir / "scratch.txt").exists()
     clone = env.clone()
     try:
-        assert clone.workdir != env.workdir and clone.memory_files() == {}
+        assert clone.memory_files() == {}
     finally:
         clone.close()
+
+
+def test_coding_memory_carries_over_only_when_asked():
+    tasks = cb.test_stream("coding")
+    note = "echo 'tablib: headers may be None' > .agent_memory/notes.md"
+    blank = make("coding")
+    keep = make("coding", keep_memory=True)
+    clone = keep.clone()
+    try:
+        assert "kept between tasks" not in blank.reset(tasks[0])
+        blank.step(note)
+        blank.reset(tasks[1])
+        assert blank.memory_files() == {}, "Coding's memory must not cross tasks by default"
+        blank.set_memory_files({"CONTINUATION.md": "go on"})   # what the next task starts with, explicitly
+        blank.reset(tasks[2])
+        assert blank.memory_files() == {"CONTINUATION.md": "go on"}
+
+        assert "kept between tasks" in keep.reset(tasks[0])
+        keep.step(note)
+        keep.reset(tasks[1])
+        assert keep.memory_files() == {"notes.md": "tablib: headers may be None\n"}
+        obs, _, _ = keep.step("git status --short")
+        assert "notes.md" not in obs, "memory must stay out of the task's git status"
+        keep.set_memory_files({})                              # a new stream starts blank
+        keep.reset(tasks[2])
+        assert keep.memory_files() == {}
+        assert clone.keep_memory and clone.workdir != keep.workdir and clone.memory_files() == {}
+    finally:
+        for e in (blank, keep, clone):
+            e.close()
+
+
+def test_listing_tasks_leaves_no_temporary_workspace(tmp_path, monkeypatch):
+    import gc
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))   # this test's temp dirs only, whatever runs beside it
+    assert make("codebase").tasks("test") and make("coding").tasks("train")
+    gc.collect()
+    assert list(tmp_path.iterdir()) == [], "listing tasks must not leave a workspace behind"
+    env = make("codebase")
+    env.reset(ALL_TASKS[0])
+    workdir = env.workdir
+    assert workdir.parent == tmp_path
+    del env
+    gc.collect()
+    assert not workdir.exists(), "a garbage-collected env must remove its workspace"
+    env = make("coding")
+    env.reset(ALL_TASKS[0])
+    env.close()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_deleted_package_is_unresolved(env):
@@ -255,6 +304,16 @@ def test_swebench_jsonl_loader(tmp_path):
             obs, reward, done = env.step(policy(obs))
             total += reward
         assert total == 1.0 and env.info["resolved"], obs
+        # the workspace's tests and pytest config are never used: a conftest.py that turns every
+        # outcome into a pass, and a weakened PASS_TO_PASS test, beside a fix that breaks neg()
+        env.reset(task)
+        env.step(env.reference_policy(task)(""))
+        env.step("printf 'import pytest\\n\\n\\n@pytest.hookimpl(hookwrapper=True)\\n"
+                 "def pytest_runtest_makereport(item, call):\\n    (yield).get_result().outcome = \"passed\"\\n'"
+                 " > conftest.py && sed -i 's/return -a/return a/' tinylib.py && sed -i 's/-2/2/' tests/test_neg.py")
+        assert (env.workdir / "conftest.py").read_text().count("passed") == 1
+        obs, reward, done = env.step("submit")
+        assert reward == 0.0 and not env.info["resolved"] and env.info["f2p_frac"] == 1.0, obs
         # a test_patch that cannot apply is unresolved, not an exception
         broken = Task(task.id, "coding", 1, task.group, "test", {**task.data, "test_patch": "garbage\n"})
         env.reset(broken)
@@ -262,10 +321,18 @@ def test_swebench_jsonl_loader(tmp_path):
         assert env.step("submit")[1] == 0.0
     finally:
         env.close()
+    # bad input: a one-line ValueError each
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"instance_id": "x"}) + "\n")
-    with pytest.raises(AssertionError, match="row lacks"):
-        cb.load_swebench_jsonl(bad, tmp_path)
+    for content, match in ((json.dumps({"instance_id": "x"}), "row lacks repo, base_commit"),
+                           ("{not json", "not a JSON object"),
+                           (json.dumps({**row, "repo": "tiny/elsewhere"}), "not available offline"),
+                           (json.dumps({**row, "base_commit": "0" * 40}), "lacks base_commit"),
+                           (json.dumps({**row, "FAIL_TO_PASS": "[oops"}), "FAIL_TO_PASS must be a list")):
+        bad.write_text(content + "\n")
+        with pytest.raises(ValueError, match=match):
+            cb.load_swebench_jsonl(bad, tmp_path)
+    with pytest.raises(ValueError, match="does not exist"):
+        cb.load_swebench_jsonl(tmp_path / "missing.jsonl", tmp_path)
 
 
 # ----------------------------------------------------------------------------- through rollout.py

@@ -24,7 +24,6 @@ import shlex
 import subprocess
 import sys
 import tempfile
-import xml.etree.ElementTree as ET
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -40,38 +39,26 @@ OPTIONAL = ("trio", "Trio")  # test ids that need packages fetch does not instal
 STREAM_SIZES = {"tablib": (9, 26), "tenacity": (10, 27)}
 
 
-def make_tree(repo: str, edits: list, dest: Path) -> None:
-    spec = cb.REPOS[repo]
-    cb._copy_tree(cb.source_dir(repo), dest, spec.copy)
-    for rel in spec.drop:
-        (dest / rel).unlink(missing_ok=True)
-    (dest / "pytest.ini").write_text(cb.PYTEST_INI)
-    cb.apply_edits(dest, edits)
-
-
 def run(repo: str, edits: list, ids: list | None = None) -> tuple[dict, dict]:
-    """Run the tests `ids` (default: every test collected) -> ({id: passed}, {id: seconds})."""
+    """Run the tests `ids` (default: every test collected) the way grading runs them (codebase.run_tests:
+    a sandbox, planted checks, cross-checked report) -> ({id: passed}, {id: seconds})."""
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        make_tree(repo, edits, root)
-        env = cb.agent_env({"kind": "native", "repo": repo}, root)
+        cb.pristine_tree(repo, root)
+        cb.apply_edits(root, edits)
         py = shlex.quote(sys.executable)
-        if ids is None:
+        if ids is None:   # collected on the host, where the test deps sit in the cache
+            env = {**os.environ, "PYTHONPATH": f"{root / cb.REPOS[repo].pythonpath}{os.pathsep}{cb.deps_dir()}",
+                   "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "PYTHONDONTWRITEBYTECODE": "1"}
             out = subprocess.run(f"{py} -m pytest --collect-only -q tests", shell=True, cwd=root,
-                                 env={**os.environ, **env}, capture_output=True, text=True).stdout
+                                 env=env, capture_output=True, text=True).stdout
             ids = [line.strip() for line in out.splitlines() if "::" in line]
-        status = cb.run_tests(root, ids, f"{py} -m pytest", env, timeout=TIMEOUT)
-        assert "__error__" not in status or edits, f"pristine {repo} tests did not run: {status.get('__error__')}"
-        times = {}
-        xml = root / ".rime-junit.xml"
-        if xml.exists():
-            for case in ET.parse(xml).getroot().iter("testcase"):
-                key = f"{case.get('classname')}::{case.get('name')}"
-                times[key] = times.get(key, 0.0) + float(case.get("time") or 0)
-        out = {i: status[i] for i in ids}
-        if "__error__" in status:
-            out["__error__"] = status["__error__"]
-        return out, {i: times.get(cb._junit_key(i), 0.0) for i in ids}
+        result = cb.run_tests({"kind": "native", "repo": repo}, root, ids, f"{py} -m pytest", timeout=TIMEOUT)
+        assert not result.error or edits, f"pristine {repo} tests did not run: {result.error}"
+        out = dict(result.passed)
+        if result.error:
+            out["__error__"] = result.error
+        return out, result.seconds
 
 
 def unified_patch(repo: str, edits: list) -> str:
