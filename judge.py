@@ -1,8 +1,8 @@
 """The exploration judge: how much did the memory learn on this task?
 
-RIME (../shared/DESIGN.md, "Exploration judge") pays the actor a bonus for exploring: after a
-task, a judge compares the memory *before* and *after* the writer's update (it never sees the
-trajectory) and scores 4 dimensions, 0-2 each:
+RIME (README, "RIME") pays the actor a bonus for exploring: after a task, a judge compares the
+memory *before* and *after* the writer's update (it never sees the trajectory) and scores 4
+dimensions, 0-2 each:
 
     new_discoveries        facts about the task world that were not in memory before
     error_correction       a prior fact that turned out wrong is fixed
@@ -14,24 +14,33 @@ deletes useful prior knowledge scores 0. rewards.actor_advantages turns it into 
 
 Two judges with one interface (`.score(before, after) -> float`, `.score_parts(...) ->
 JudgeResult`):
-- `LLMJudge(complete)`: the rubric prompt below over any `complete(prompt) -> str`. Replies must
-  be one JSON object; a bad reply is re-asked once, then the score falls back to 0 (logged),
-  never an exception. Backends: `local_complete` (our model through generate.py, greedy) and
-  `openai_complete` (any OpenAI-compatible chat/completions endpoint, stdlib urllib only).
-- `HeuristicJudge()`: offline and deterministic, for CPU runs and tests; see its docstring for
-  what it approximates. It is a stand-in for the LLM judge, not a calibrated replica.
+- `LLMJudge(complete)`: the rubric prompt below over any `complete(prompt) -> str`. A reply must
+  hold one JSON object; harmless shapes (`[2]`, `"2"`, `"2/2"` for 2) are accepted, a bad reply
+  is re-asked once, then the score falls back to 0 (logged), never an exception. Backends:
+  `local_complete` (our model through generate.py, greedy) and `openai_complete` (any
+  OpenAI-compatible chat/completions endpoint through `chat`, stdlib urllib only; it asks for
+  JSON mode and drops it for a server that refuses it).
+- `HeuristicJudge()`: offline and deterministic, for CPU runs and tests: a documented rule set
+  that pays for new, corrected and checkable facts and nothing for status lines, repetition,
+  identifier lists, generic advice, paraphrase or wiping (see its docstring and blind spots).
+
+`python judge.py eval --judge heuristic|local|openai` reports a judge's agreement with the
+labelled memory updates in tests/data/judge_pairs.jsonl.
 
 Simplification: one prompt per (before, after) pair; no batching of judge calls.
 """
 
+import argparse
 import json
 import logging
 import os
 import re
+import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +61,9 @@ You see only the memory BEFORE and AFTER the update. Score 4 dimensions, each 0,
   (0 a rephrasing or padding, 1 partly new, 2 all new).
 
 Rules: rephrasing, reordering, extra length and generic advice ("be careful", "test more")
-earn 0. If AFTER deletes useful knowledge that BEFORE had, every dimension is 0.
-If AFTER equals BEFORE, every dimension is 0.
+earn 0, and so do status or score lines ("Last task: score 0.9"), repeated lines and lists
+of names with no statement about them. If AFTER deletes useful knowledge that BEFORE had,
+every dimension is 0. If AFTER equals BEFORE, every dimension is 0.
 
 BEFORE:
 <<<
@@ -99,12 +109,30 @@ def _unchanged(before, after):
 # LLM judge
 
 
-def parse_reply(text):
-    """One JSON object with the 4 integer dimensions in 0..2 -> dict; else ValueError (reason).
+def _dimension_value(v):
+    """One dimension's value -> int, accepting harmless shapes: 2, 2.0, "2", "2/2" (out of the
+    maximum), [2]. Anything else (a bool, 1.5, "two", "4/8", [1, 2]) -> ValueError."""
+    if isinstance(v, list) and len(v) == 1:
+        v = v[0]
+    if isinstance(v, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.0+)?)\s*(?:/\s*(\d+)\s*)?", v)
+        if not m or (m.group(2) is not None and int(m.group(2)) != MAX_PER_DIMENSION):
+            raise ValueError(f"not a score: {v!r}")
+        v = float(m.group(1))
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_PER_DIMENSION:
+        raise ValueError(f"not an integer 0..{MAX_PER_DIMENSION}: {v!r}")
+    return v
 
-    Strict about content, lenient about wrapping only: a ```json fence or text around a single
-    {...} object is tolerated because small models add them; a missing key, a non-integer, a
-    bool or an out-of-range value is refused."""
+
+def parse_reply(text):
+    """One JSON object with the 4 dimensions in 0..2 -> dict of ints; else ValueError (reason).
+
+    Strict about content, lenient about harmless shapes: a ```json fence or text around a single
+    {...} object, a list holding one object, and values written as `[2]`, `"2"`, `"2/2"` or
+    `2.0` are accepted because small models produce them; a missing key, a bool, a fraction or
+    an out-of-range value is refused."""
     if not isinstance(text, str):
         raise ValueError(f"reply is {type(text).__name__}, not text")
     s = text.strip()
@@ -121,18 +149,18 @@ def parse_reply(text):
             obj = json.loads(s[start:end + 1])
         except (json.JSONDecodeError, RecursionError) as e:
             raise ValueError(f"invalid JSON ({type(e).__name__})") from None
+    if isinstance(obj, list) and len(obj) == 1:
+        obj = obj[0]
     if not isinstance(obj, dict):
         raise ValueError("the JSON is not an object")
     dims = {}
     for k in DIMENSIONS:
         if k not in obj:
             raise ValueError(f"missing key {k!r}")
-        v = obj[k]
-        if isinstance(v, float) and v.is_integer():
-            v = int(v)
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_PER_DIMENSION:
-            raise ValueError(f"{k} must be an integer 0..{MAX_PER_DIMENSION}, got {v!r}")
-        dims[k] = v
+        try:
+            dims[k] = _dimension_value(obj[k])
+        except ValueError as e:
+            raise ValueError(f"{k}: {e}") from None
     return dims
 
 
@@ -194,61 +222,145 @@ def local_complete(model, tokenizer, max_new_tokens=128):
     return complete
 
 
+# ----------------------------------------------------------------------------------------------
+# the HTTP client for OpenAI-compatible endpoints (the judge's and bench.py's API agent's)
+
+# what servers say when a request outgrows the model's context: OpenAI and llama-cpp-python
+# ("This model's maximum context length is 2048 tokens ...", code context_length_exceeded),
+# vLLM (the same "maximum context length" text), llama.cpp's server ("request (4476 tokens)
+# exceeds the available context size (4096 tokens)", type exceed_context_size_error)
+_OVERFLOW_CODES = {"context_length_exceeded", "exceed_context_size_error", "context_window_exceeded"}
+_OVERFLOW_TEXT = re.compile(r"context[ _](?:length|size|window)|maximum context|too many tokens|"
+                            r"(?:prompt|input) is too long", re.I)
+
+
 class ApiError(RuntimeError):
-    """An OpenAI-compatible endpoint failed for good (after its retries, or a 4xx at once)."""
+    """An OpenAI-compatible endpoint failed for good (after its retries, or a 4xx at once).
+
+    str(e) is the whole reason, with the server's own message when it sent one. Attributes:
+    status (the HTTP code, None for a network failure), message (the server's error message,
+    "" if none) and context_overflow (True when the server said the request outgrew the model's
+    context: the caller should shorten the conversation or end the episode, not retry)."""
+
+    def __init__(self, reason, status=None, message="", context_overflow=False):
+        super().__init__(reason)
+        self.status, self.message, self.context_overflow = status, message, context_overflow
+
+
+def _server_error(raw: bytes):
+    """An error body -> (message, code-or-type). OpenAI, vLLM and llama.cpp put it in
+    {"error": {"message", "code", "type"}}; older vLLM at the top level; else the body as text."""
+    text = raw.decode("utf-8", "replace").strip()
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return text[:500], ""
+    err = obj.get("error", obj) if isinstance(obj, dict) else obj
+    if isinstance(err, str):
+        return err[:500], ""
+    if not isinstance(err, dict):
+        return text[:500], ""
+    message = err.get("message") or err.get("detail") or text
+    codes = [str(err.get(k)) for k in ("code", "type") if err.get(k) is not None]
+    return str(message)[:500], ",".join(codes)
+
+
+def _body(e):
+    try:
+        return e.read()
+    except OSError:                   # the connection closed before the body came
+        return b""
+
+
+# endpoints (url, model) that refused response_format: later calls leave it out at once
+_NO_JSON_MODE: set = set()
 
 
 def chat(url, model, messages, *, key_env="OPENAI_API_KEY", timeout=60.0, retries=3, backoff=1.0,
-         max_tokens=512, temperature=0.0) -> str:
-    """POST {url}/chat/completions -> the reply text. Timeouts, connection errors, 429/5xx and
-    malformed replies are retried after backoff * 2^i s; other 4xx fail at once. Raises ApiError."""
+         max_tokens=512, temperature=0.0, json_mode=False) -> str:
+    """POST {url}/chat/completions -> the reply text. Raises ApiError.
+
+    Timeouts, connection errors, 429/5xx and malformed replies are retried after
+    backoff * 2^i s; other 4xx fail at once, with the server's message, and so does a context
+    overflow whatever its status (`context_overflow` set: the same request would fail again). json_mode=True asks for
+    `response_format: {"type": "json_object"}` (OpenAI, vLLM and llama.cpp accept it); when the
+    server refuses it (a 400 that names response_format, or any other 4xx than a context overflow
+    on the first try with it), the request is sent again without it, and once that works the
+    endpoint (url, model) is not asked for JSON mode again in this process."""
     url = url.rstrip("/")
     url += "" if url.endswith("/chat/completions") else "/chat/completions"
-    body = json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens,
-                       "temperature": temperature}).encode()
+    payload = {"model": model, "messages": messages, "max_tokens": max_tokens,
+               "temperature": temperature}
     headers = {"Content-Type": "application/json"}
     if os.environ.get(key_env):
         headers["Authorization"] = f"Bearer {os.environ[key_env]}"
-    error = ""
-    for i in range(retries + 1):
+    endpoint = (url, model)
+    use_json = json_mode and endpoint not in _NO_JSON_MODE
+    dropped_json = False       # this call left response_format out after a refusal
+    error, status, message = "", None, ""
+    i = 0
+    while i <= retries:
         if i:
             time.sleep(backoff * 2 ** (i - 1))
+        body = dict(payload, response_format={"type": "json_object"}) if use_json else payload
         try:
-            req = urllib.request.Request(url, data=body, headers=headers, method="POST")
+            req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers,
+                                         method="POST")
             with urllib.request.urlopen(req, timeout=timeout) as resp:
-                return json.loads(resp.read().decode())["choices"][0]["message"]["content"] or ""
+                text = json.loads(resp.read().decode())["choices"][0]["message"]["content"] or ""
+            if dropped_json:       # it worked without: do not ask this endpoint again
+                _NO_JSON_MODE.add(endpoint)
+            return text
         except urllib.error.HTTPError as e:  # before URLError: it is one
-            error = f"HTTP {e.code}"
-            if e.code != 429 and e.code < 500:
-                raise ApiError(f"{error} from {url} (not retried)") from None
+            message, code = _server_error(_body(e))
+            status, error = e.code, f"HTTP {e.code}: {message}" + (f" [{code}]" if code else "")
+            overflow = bool(set(code.split(",")) & _OVERFLOW_CODES or _OVERFLOW_TEXT.search(message))
+            if overflow or (e.code != 429 and e.code < 500):
+                if use_json and not overflow and (
+                        i == 0 or e.code == 400 and "response_format" in message):
+                    log.warning("%s refused JSON mode (%s); asking without it", url, error)
+                    use_json, dropped_json = False, True
+                    continue             # the same try again, without response_format
+                raise ApiError(f"{error} from {url} (not retried)", status=e.code,
+                               message=message, context_overflow=overflow) from None
         except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
-            error = f"{type(e).__name__}: {e}"
+            status, message, error = None, "", f"{type(e).__name__}: {e}"
         except (ValueError, KeyError, IndexError, TypeError) as e:  # JSONDecodeError is a ValueError
-            error = f"malformed reply: {e!r}"
+            status, message, error = None, "", f"malformed reply: {e!r}"
         log.warning("chat try %d/%d failed: %s", i + 1, retries + 1, error)
-    raise ApiError(f"gave up after {retries + 1} tries ({url}); last error: {error}")
-
+        i += 1
+    raise ApiError(f"gave up after {retries + 1} tries ({url}); last error: {error}",
+                   status=status, message=message)
 
 
 def openai_complete(base_url, model, api_key_env="OPENAI_API_KEY", timeout=60.0, retries=3,
-                    backoff=1.0, max_tokens=256, temperature=0.0):
+                    backoff=1.0, max_tokens=256, temperature=0.0, json_mode=True):
     """complete(prompt) -> str over an OpenAI-compatible `POST {base_url}/chat/completions`
-    (base_url like "http://127.0.0.1:8000/v1"), through chat() above: the API key is read from
-    $api_key_env at call time (unset: no Authorization header; local vLLM/llama.cpp servers need
-    none); failures raise ApiError (a RuntimeError), which LLMJudge turns into a logged fallback."""
+    (base_url like "http://127.0.0.1:8000/v1"), through chat() above, in JSON mode unless the
+    server refuses it: the API key is read from $api_key_env at call time (unset: no
+    Authorization header; local vLLM/llama.cpp servers need none); failures raise ApiError (a
+    RuntimeError), which LLMJudge turns into a logged fallback."""
     def complete(prompt):
         return chat(base_url, model, [{"role": "user", "content": prompt}], key_env=api_key_env,
                     timeout=timeout, retries=retries, backoff=backoff, max_tokens=max_tokens,
-                    temperature=temperature)
+                    temperature=temperature, json_mode=json_mode)
 
     return complete
 
 
 # ----------------------------------------------------------------------------------------------
-# heuristic judge
+# heuristic judge: a rule set, line by line
 
-# "specific" tokens are what a reader could check: code spans, paths and file names,
-# identifiers (snake_case, CamelCase, dotted, calls), numbers, command-line flags, quoted strings
+# Anchors are what a reader could check. In the codebase domain they are *specific* tokens: code
+# spans, paths and file names, identifiers (snake_case, CamelCase, dotted, calls), numbers,
+# command-line flags, quoted strings. In Alchemy they are the world's terms, the potion colours
+# and the stone features (alchemy.COLOURS and alchemy.FEATURES; tests check the two agree):
+# "potion red makes a stone pointy" names nothing a regex would call specific. They are also
+# plain English ("keep patches small"), so they count in a line that names a potion or a stone,
+# or two of them ("Blocked: small blue round <-> small purple round").
+WORLD_TERMS = frozenset(("red", "green", "orange", "cyan", "yellow", "pink",
+                         "small", "large", "blue", "purple", "round", "pointy"))
+WORLD_OBJECTS = re.compile(r"\b(?:potion|stone)s?\b")
 _CODE = re.compile(r"`([^`\n]+)`")
 _SPECIFIC = [
     re.compile(r"(?<![\w/.])/?(?:[\w.~-]+/)+[\w.-]*"),                # paths: src/a.py, tests/
@@ -261,8 +373,29 @@ _SPECIFIC = [
     re.compile(r'"([^"\n]{2,})"'),                                   # quoted strings
 ]
 _NOT_SPECIFIC = {"e.g", "i.e", "etc", "vs", "and/or", "/"}
-_CUES = re.compile(r"\b(not|no longer|never|actually|wrong|incorrect|instead|rather than|"
-                   r"isn't|doesn't|don't|does not|is not|fails?|correction)\b")
+_NUMBER = re.compile(r"[+-]?\d+(?:\.\d+)*%?(?:/\d+)?")       # +15, 0.90, 3.2.1, 40%, 4/6
+_RELATION_SYMBOLS = {"<->", "->", "=>", "→", "="}
+# bookkeeping: which task, trial or step, and its score. Stripped before anything is compared, so
+# "(seen in task t05)" after "(seen in task t04)" is not a new fact
+_BOOKKEEPING = [
+    re.compile(r"\b(?:task|trial|step|turn|attempt|episode|round|iteration)s?\s*(?:#\s*)?"
+               r"[\w/.-]*\d[\w/.-]*", re.I),
+    re.compile(r"\b(?:score|reward|result|accuracy)s?\s*(?:of|was|is|=|:)?\s*[+-]?\d+(?:\.\d+)?%?",
+               re.I),
+    re.compile(r"[+-]?\d+(?:\.\d+)?(?:/\d+)?\s+(?:task|trial|step|turn|attempt|episode)s?\b", re.I),
+]
+# the vocabulary of progress reports (stems, see _stem)
+_STATUS_WORDS = """last previous prior latest current task score scored scoring reward result outcome
+episode trial step turn attempt total value got achieved reached ended finished completed done
+solved resolved unresolved passed failed success successful failure status progress iteration mean
+average avg overall best worst far streak perfect points accuracy rate percent took""".split()
+# a statement that negates or corrects: it means something else than the same words without it
+_CUES = re.compile(r"\b(not|no longer|never|actually|wrong|incorrect|instead|rather than|isn't|"
+                   r"doesn't|don't|does not|is not|nothing|no effect|correction)\b", re.I)
+# a line that asks to check something specific
+_TARGET = re.compile(r"^(?:check|test)\b|\b(?:check|test) (?:that|whether|if)\b|\b(?:verify|confirm|"
+                     r"make sure|ensure|expect|assert)\b|\bshould (?:pass|fail|raise|return|give|show)\b",
+                     re.I)
 _STOP = set("""a an the and or but if then else of to in on at by for with from as is are was were
 be been being it its this that these those there here do does did done not no can could should
 would will may might must have has had i you we they he she them our your their my me us so than
@@ -283,16 +416,6 @@ def _fact_key(line):
     return _norm(re.sub(r"^(?:[-*+]|\d+[.)])\s+", "", s)).rstrip(".;:, ")
 
 
-def _facts(memory):
-    """The fact lines of a memory -> {normalised fact: raw line}, in order, de-duplicated."""
-    out = {}
-    for line in memory.splitlines():
-        key = _fact_key(line)
-        if key and key not in out:
-            out[key] = line
-    return out
-
-
 def _specifics(line_raw):
     """Set of specific tokens in one raw line (normalised: lower case, no backticks)."""
     toks = {_norm(m.group(1)) for m in _CODE.finditer(line_raw)}
@@ -304,8 +427,11 @@ def _specifics(line_raw):
     return toks
 
 
-def _words(line):
-    return {w for w in re.findall(r"[a-z0-9_./-]+", line) if w not in _STOP and len(w) > 2}
+def _stem(w):
+    return w[:-1] if len(w) > 3 and w.endswith("s") and not w.endswith("ss") and w.isalpha() else w
+
+
+_STATUS = {_stem(w) for w in _STATUS_WORDS}
 
 
 def _occurs(tok, text):
@@ -319,32 +445,143 @@ def _jaccard(a, b):
     return len(a & b) / len(a | b) if a | b else 1.0
 
 
-class HeuristicJudge:
-    """An offline, deterministic approximation of the rubric, line by line.
+@dataclass
+class _Line:
+    """One fact line, measured: what it names and how it is built."""
+    key: str                  # the normalised fact (bullets, case, backticks dropped)
+    anchors: set              # specific tokens and world terms, bookkeeping stripped
+    words: list               # content words in order (stemmed, stop words dropped)
+    plain: int                # ordinary words and relation symbols: what relates the anchors
+    cue: bool                 # negates or corrects (_CUES)
+    target: bool              # asks to check something (_TARGET)
+    cheap: str = ""           # why the line carries nothing on its own; "" if it may
+    kind: str = ""            # set by the judge: discovery | correction | target | a cheap reason
 
-    What it approximates, per dimension (each 0-2):
-    - It splits each memory into fact lines (headers and blanks dropped, bullets stripped,
-      lower-cased) and finds the *specific* tokens of each line: code spans, paths and file
-      names, identifiers (snake_case, CamelCase, dotted names, `f()`), numbers, flags, quoted
-      strings. A token is *new* if it does not occur in BEFORE (token-boundary match).
-    - error_correction: an added line that revises a BEFORE line about the same subject
-      (content-word Jaccard >= 0.3) where each holds a specific the other lacks (a changed
-      value), or where the added line brings a correction cue ("not", "actually", "instead",
-      "fails", ...) the old line lacked. 1 such line -> 1, 2+ -> 2.
-    - new_discoveries: added lines with a new specific token that are not corrections.
-      1 -> 1, 2+ -> 2.
-    - verification_targets: distinct new specific tokens over all added lines. 1-2 -> 1, 3+ -> 2.
-    - non_redundant_change: 0 if no added line is informative (new specific or correction);
-      1 if some added lines are padding (no new specific, no correction) or some prior
-      specifics were dropped; 2 if every added line is informative and nothing was dropped.
-    Then the hard rules: no change (up to whitespace, line order and bullet style) -> 0; no
-    informative line at all (a paraphrase, generic advice, pure length) -> 0; more than half of
-    BEFORE's specific tokens gone from AFTER without a correction replacing them (wiping prior
-    knowledge) -> 0.
-    Blind spots: facts in plain prose with no name, path or number ("the red potion shrinks
-    stones") count as generic; a paraphrase that introduces a new identifier counts as new;
-    a new fact about the same subject as an old one, with a different value, counts as a
-    correction even when both are true.
+
+def _measure(raw):
+    """One raw line -> _Line, with its cheap shape if it has one."""
+    clean = re.sub(r"^(?:[-*+]|\d+[.)])\s+", "", raw.strip())     # the bullet
+    for pat in _BOOKKEEPING:
+        clean = pat.sub(" ", clean)
+    low = _norm(clean)
+    terms = {w for w in re.findall(r"[a-z]+", low) if w in WORLD_TERMS}
+    if len(terms) < 2 and not WORLD_OBJECTS.search(low):
+        terms = set()
+    anchors = _specifics(clean) | terms
+    words = [_stem(w.rstrip(".")) for w in re.findall(r"[a-z0-9_./+-]+", low)]
+    words = [w for w in words if w not in _STOP and len(w) > 2]
+    # tokens: a code span is one anchor, the rest is split on spaces
+    anchor_tokens, plain = {_norm(m.group(1)) for m in _CODE.finditer(clean)}, 0
+    for tok in _CODE.sub(" ", clean).split():
+        bare = tok.strip(".,;:!?()[]{}\"'").lower()
+        if bare in terms or _specifics(tok):
+            anchor_tokens.add(bare)
+        elif tok in _RELATION_SYMBOLS or re.fullmatch(r"[a-z]+(?:'[a-z]+)?", bare):
+            plain += 1
+    line = _Line(key=_fact_key(raw), anchors=anchors, words=words, plain=plain,
+                 cue=bool(_CUES.search(low)), target=bool(_TARGET.search(low)))
+    # the cheap shapes, in order; each is defined on the line alone
+    stems = {_stem(w) for w in re.findall(r"[a-z]+", low)}
+    if not terms and all(_NUMBER.fullmatch(a) for a in anchors) and stems & _STATUS:
+        line.cheap = "status"            # "Last task t03: score 0.90", "Task 4 resolved in 7 steps"
+    elif not anchors:
+        line.cheap = "generic"           # "Be careful with edge cases", "Think step by step"
+    elif _repeats(words):
+        line.cheap = "repetition"        # "small purple round <-> small purple round <-> ..."
+    elif plain < 2 or len(anchor_tokens) > 2 * plain:
+        line.cheap = "stuffing"          # "`_csv.py` `stack_cols` zx_91 qq.vv", a list of terms
+    return line
+
+
+def _repeats(words):
+    """A phrase of 2+ content words said twice in a row, or a line that is half repeats."""
+    n = len(words)
+    if n >= 6 and len(set(words)) < n / 2:
+        return True
+    return any(words[i:i + k] == words[i + k:i + 2 * k]
+               for k in range(2, n // 2 + 1) for i in range(n - 2 * k + 1))
+
+
+def _restates(line, other):
+    """`line` says nothing `other` did not: it names no anchor `other` lacks, shares 30% of its
+    content words, and neither negates what the other affirms nor turns a fact into a check."""
+    return (line.anchors <= other.anchors and bool(line.anchors)
+            and _jaccard(set(line.words), set(other.words)) >= 0.3
+            and line.cue == other.cue and (not line.target or other.target))
+
+
+def _same_subject(line, other):
+    """Two lines about the same thing: their first two content words agree, or half of all."""
+    prefix = 0
+    for a, b in zip(line.words, other.words):
+        if a != b:
+            break
+        prefix += 1
+    return prefix >= 2 or _jaccard(set(line.words), set(other.words)) >= 0.5, prefix
+
+
+def _kept(fact, new):
+    """A BEFORE fact survives in AFTER: verbatim, or some AFTER line names all its anchors."""
+    return fact.key in new or any(fact.anchors <= n.anchors for n in new.values())
+
+
+def _corrected_fact(line, facts, new):
+    """The BEFORE fact that `line` corrects, or None: the closest fact on the same subject
+    (longest common start) for which the line names a new anchor, and either that fact is no
+    longer kept in AFTER, or the line negates or corrects where the fact did not."""
+    subjects = sorted(((prefix, i) for i, f in enumerate(facts)
+                       for same, prefix in [_same_subject(line, f)] if same), reverse=True)
+    for _, i in subjects:
+        f = facts[i]
+        if line.anchors - f.anchors and (not _kept(f, new) or line.cue and not f.cue):
+            return f
+    return None
+
+
+class HeuristicJudge:
+    """An offline, deterministic approximation of the rubric: a rule set over fact lines.
+
+    Each memory is split into fact lines (headers and blanks dropped, bullets stripped). Per
+    line it measures the *anchors* (specific tokens: code spans, paths, identifiers, numbers,
+    flags, quoted strings; and the Alchemy world's colour and feature words, in a line about a
+    potion or a stone or naming two of them), its content words, and how many ordinary words
+    relate the anchors. Task, trial and step ids with their scores are stripped first
+    (bookkeeping is never a fact).
+
+    A line carries nothing on its own (cheap) if it is:
+    - status: it names no world term and no anchor but numbers, and uses the vocabulary of
+      progress reports (task, score, resolved, steps, ...);
+    - generic: it names no anchor at all ("be careful", "think step by step");
+    - repetition: a phrase of 2+ content words said twice in a row, or half its words repeats;
+    - stuffing: fewer than 2 ordinary words, or more than twice as many anchors as ordinary
+      words: a list of names, not a statement about them.
+    Every other line of AFTER that is not in BEFORE is then, in order:
+    - repetition, if it restates an earlier added line; restatement (a paraphrase), if it
+      restates a BEFORE line: it names no anchor that line lacks and shares 30% of its content
+      words, with the same negation and the same fact-or-check form;
+    - target, if it asks to check something (check, verify, make sure, should pass, ...);
+    - correction, if it is about the same subject as a BEFORE fact (same first two content
+      words, or half of all), names an anchor that fact lacks, and either the old fact is gone
+      (no AFTER line names all its anchors) or the line negates or corrects (not, actually,
+      instead) where the old fact did not;
+    - discovery otherwise.
+    The dimensions, 0-2 each:
+      new_discoveries: discovery lines (1 -> 1, 2+ -> 2);
+      error_correction: correction lines (1 -> 1, 2+ -> 2);
+      verification_targets: target lines plus anchors of the new lines absent from BEFORE
+        (1-2 -> 1, 3+ -> 2);
+      non_redundant_change: 2 if every added line is a finding and no prior fact was lost, 1
+        otherwise.
+    Hard rules: no change (up to whitespace, order and bullet style) -> 0; no finding at all ->
+    0; wiping: more than half of BEFORE's facts (its non-cheap lines) lost, neither kept (some
+    AFTER line names all their anchors) nor corrected -> 0.
+
+    Blind spots: it cannot tell a true fact from an invented one, so a writer that states new,
+    wrong facts in the right shape is paid (so would an LLM judge without the trajectory: the
+    memory-accuracy diagnostic against the world's true chemistry is what shows it); a fact in
+    plain words with no anchor ("the exporter drops headers") counts as generic; a sentence
+    naming junk identifiers between ordinary words counts as a finding; it sees one update, so
+    a fact dropped in one update (0) and written again in the next is paid as new.
     """
 
     def score(self, before, after):
@@ -354,53 +591,196 @@ class HeuristicJudge:
         zero = {k: 0 for k in DIMENSIONS}
         if _unchanged(before, after):
             return _result(zero, detail="no change")
-        old, new = _facts(before), _facts(after)      # {fact: raw line}
-        added = [f for f in new if f not in old]
-        if not added and set(new) == set(old):
+        old = {k: _measure(raw) for raw in before.splitlines() if (k := _fact_key(raw))}
+        new = {k: _measure(raw) for raw in after.splitlines() if (k := _fact_key(raw))}
+        if set(new) == set(old):
             return _result(zero, detail="no change (reordered)")
+        facts = [o for o in old.values() if not o.cheap]          # BEFORE's knowledge
         before_text = " \n ".join(old)
-        spec_old = {f: _specifics(raw) for f, raw in old.items()}
-        all_old_specifics = set().union(*spec_old.values()) if spec_old else set()
 
-        corrections, discoveries, padding = [], [], []
-        new_tokens = set()
-        for f in added:
-            spec = _specifics(new[f])
-            fresh = {t for t in spec if not _occurs(t, before_text)}
-            words = _words(f)
-            fixed = None
-            for o in old:
-                if _jaccard(words, _words(o)) < 0.3:
-                    continue   # a different subject
-                changed_value = bool(spec - spec_old[o]) and bool(spec_old[o] - spec)
-                cue = bool(_CUES.search(f)) and not _CUES.search(o)
-                if changed_value or cue:
-                    fixed = o
-                    break
-            if fixed is not None:
-                corrections.append((fixed, f))
-                new_tokens |= fresh
-            elif fresh:
-                discoveries.append(f)
-                new_tokens |= fresh
+        added, corrected = [], set()
+        for line in (n for k, n in new.items() if k not in old):
+            if line.cheap:
+                line.kind = line.cheap
+            elif any(_restates(line, a) for a in added if not a.cheap):
+                line.kind = "repetition"
+            elif any(_restates(line, o) for o in old.values()):
+                line.kind = "restatement"
+            elif line.target:
+                line.kind = "target"
             else:
-                padding.append(f)
+                fixed = _corrected_fact(line, facts, new)
+                line.kind = "discovery" if fixed is None else "correction"
+                if fixed is not None:
+                    corrected.add(fixed.key)
+            added.append(line)
 
-        # prior specifics that vanished, except those of lines a correction replaced
-        replaced = set().union(*(spec_old[o] for o, _ in corrections)) if corrections else set()
-        after_text = " \n ".join(new)
-        lost = {t for t in all_old_specifics - replaced if not _occurs(t, after_text)}
-        detail = (f"corrections={len(corrections)} discoveries={len(discoveries)} "
-                  f"padding={len(padding)} new_specifics={len(new_tokens)} lost={len(lost)}")
-        if all_old_specifics and len(lost) > len(all_old_specifics) / 2:
+        lost = [o for o in facts if o.key not in corrected and not _kept(o, new)]
+        count = {k: sum(a.kind == k for a in added) for k in
+                 ("discovery", "correction", "target", "restatement", "repetition", "status",
+                  "generic", "stuffing")}
+        findings = [a for a in added if a.kind in ("discovery", "correction", "target")]
+        fresh = {t for a in findings for t in a.anchors if not _occurs(t, before_text)}
+        detail = (" ".join(f"{k}={v}" for k, v in count.items() if v)
+                  + f" new_anchors={len(fresh)} lost={len(lost)}/{len(facts)}")
+        if facts and len(lost) > len(facts) / 2:
             return _result(zero, detail="wiped prior knowledge: " + detail)
-        if not corrections and not discoveries:
-            return _result(zero, detail="no informative change: " + detail)
+        if not findings:
+            return _result(zero, detail="no finding: " + detail)
+        checkable = count["target"] + len(fresh)
         dims = {
-            "new_discoveries": min(len(discoveries), 2),
-            "error_correction": min(len(corrections), 2),
-            "verification_targets": 0 if not new_tokens else (1 if len(new_tokens) < 3 else 2),
-            "non_redundant_change": 1 if (padding or lost) else 2,
+            "new_discoveries": min(count["discovery"], 2),
+            "error_correction": min(count["correction"], 2),
+            "verification_targets": 0 if not checkable else (1 if checkable < 3 else 2),
+            "non_redundant_change": 2 if len(findings) == len(added) and not lost else 1,
         }
         return _result(dims, detail=detail)
 
+
+# ----------------------------------------------------------------------------------------------
+# agreement with the labelled memory updates (python judge.py eval)
+
+PAIRS_PATH = Path(__file__).resolve().parent / "tests" / "data" / "judge_pairs.jsonl"
+CHEAP_MAX = 0.15      # a cheap update must score at most this; a real finding above it
+
+
+def load_pairs(path=PAIRS_PATH):
+    """The labelled set: one JSON object per line with id, domain, category, label ("real" or
+    "cheap"), before and after. A malformed line raises ValueError naming it."""
+    pairs = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            p = json.loads(line)
+            ok = (isinstance(p, dict) and p.get("label") in ("real", "cheap")
+                  and p.get("domain") in ("alchemy", "codebase")
+                  and all(isinstance(p.get(k), str) for k in ("id", "category", "before", "after")))
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(f"{path}:{n}: not a labelled pair (id, domain alchemy|codebase, "
+                             f"category, label real|cheap, before, after)")
+        pairs.append(p)
+    return pairs
+
+
+@dataclass
+class Agreement:
+    """A judge against the labels: accuracy at `threshold` (real iff score > threshold) and the
+    margin min(real) - max(cheap) (positive: some threshold separates the two perfectly)."""
+    judge: str
+    n: int
+    accuracy: float
+    min_real: float
+    max_cheap: float
+    fallbacks: int
+    threshold: float
+    scores: list = field(default_factory=list)    # (pair, score) in the set's order
+
+    @property
+    def margin(self):
+        return self.min_real - self.max_cheap
+
+
+def agreement(judge, pairs, name="judge", threshold=CHEAP_MAX, progress=None):
+    """Score every pair with `judge` (anything with .score_parts) -> Agreement."""
+    scores, fallbacks = [], 0
+    for i, p in enumerate(pairs):
+        r = judge.score_parts(p["before"], p["after"])
+        fallbacks += r.fallback
+        scores.append((p, r.score))
+        if progress:
+            progress(i + 1, len(pairs), p, r)
+    right = sum((s > threshold) == (p["label"] == "real") for p, s in scores)
+    real = [s for p, s in scores if p["label"] == "real"]
+    cheap = [s for p, s in scores if p["label"] == "cheap"]
+    return Agreement(judge=name, n=len(scores), accuracy=right / max(len(scores), 1),
+                     min_real=min(real, default=float("nan")),
+                     max_cheap=max(cheap, default=float("nan")), fallbacks=fallbacks,
+                     threshold=threshold, scores=scores)
+
+
+def agreement_table(results):
+    """Agreement per judge, then per category (mean score, share on the right side)."""
+    lines = ["| judge | pairs | accuracy (threshold) | min real | max cheap | margin | fallbacks |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for a in results:
+        lines.append(f"| {a.judge} | {a.n} | {a.accuracy:.2f} ({a.threshold:.2f}) | "
+                     f"{a.min_real:.3f} | {a.max_cheap:.3f} | {a.margin:+.3f} | {a.fallbacks} |")
+    cats = list(dict.fromkeys((p["label"], p["category"]) for p, _ in results[0].scores))
+    lines += ["", "| label | category | pairs | " + " | ".join(
+        f"{a.judge} mean (right)" for a in results) + " |", "|---|---|---:|" + "---:|" * len(results)]
+    for label, cat in cats:
+        cells = []
+        for a in results:
+            s = [(p, x) for p, x in a.scores if (p["label"], p["category"]) == (label, cat)]
+            right = sum((x > a.threshold) == (label == "real") for _, x in s)
+            cells.append(f"{sum(x for _, x in s) / len(s):.3f} ({right}/{len(s)})")
+        lines.append(f"| {label} | {cat} | {len(s)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _eval_main(argv):
+    p = argparse.ArgumentParser(prog="judge.py eval",
+                                description="agreement of judges with the labelled memory updates")
+    p.add_argument("--judge", action="append", choices=("heuristic", "local", "openai"),
+                   help="repeat for several (default: heuristic)")
+    p.add_argument("--data", default=str(PAIRS_PATH), help="labelled pairs (JSON lines)")
+    p.add_argument("--threshold", type=float, default=CHEAP_MAX, help="real iff score > this")
+    p.add_argument("--model", default="smollm2", help="local judge: HF checkpoint dir or smollm2")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="local judge's reply length")
+    p.add_argument("--threads", type=int, default=0,
+                   help="local judge: torch CPU threads (0: torch's default; 1 is faster on a busy machine)")
+    p.add_argument("--url", default="", help="openai judge: base URL, e.g. http://127.0.0.1:8000/v1")
+    p.add_argument("--api-model", default="", help="openai judge: model name at that endpoint")
+    p.add_argument("--per-category", type=int, default=0,
+                   help="score only the first N pairs of each category in each domain (0: all), "
+                        "for slow judges")
+    p.add_argument("--verbose", action="store_true", help="print each pair's score")
+    args = p.parse_args(argv)
+    try:
+        pairs = load_pairs(args.data)
+    except (OSError, ValueError) as e:
+        sys.exit(f"judge.py eval: {e}")
+    if args.per_category > 0:
+        groups = {}
+        for pair in pairs:
+            groups.setdefault((pair["domain"], pair["category"]), []).append(pair)
+        pairs = [pair for group in groups.values() for pair in group[:args.per_category]]
+    results = []
+    for name in args.judge or ["heuristic"]:
+        if name == "heuristic":
+            judge = HeuristicJudge()
+        elif name == "openai":
+            if not (args.url and args.api_model):
+                sys.exit("judge.py eval: --judge openai needs --url and --api-model")
+            judge = LLMJudge(openai_complete(args.url, args.api_model))
+        else:
+            import torch
+            from model import load, load_tokenizer
+            if args.threads > 0:
+                torch.set_num_threads(args.threads)
+            try:
+                model, tokenizer = load(args.model).eval(), load_tokenizer(args.model)
+            except (OSError, ValueError) as e:    # FileNotFoundError: no such checkpoint
+                sys.exit(f"judge.py eval: cannot load the local judge {args.model!r}: {e}")
+            judge = LLMJudge(local_complete(model, tokenizer, max_new_tokens=args.max_new_tokens))
+            name = f"local ({Path(args.model).name})"
+        t0 = time.time()
+
+        def progress(i, n, pair, r, name=name):
+            if args.verbose:
+                print(f"  {name} {i}/{n} {pair['id']} [{pair['label']}/{pair['category']}] "
+                      f"{r.score:.3f} {r.detail}", flush=True)
+
+        results.append(agreement(judge, pairs, name, args.threshold, progress))
+        print(f"{name}: {len(pairs)} pairs in {time.time() - t0:.1f} s", flush=True)
+    print(agreement_table(results))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["eval"]:
+        sys.exit("usage: python judge.py eval [--judge heuristic|local|openai ...] (see --help)")
+    logging.basicConfig(level=logging.ERROR)
+    _eval_main(sys.argv[2:])

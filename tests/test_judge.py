@@ -10,8 +10,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from judge import (DIMENSIONS, RETRY, HeuristicJudge, LLMJudge, local_complete, openai_complete,
-                   parse_reply)
+import judge
+from judge import (DIMENSIONS, RETRY, ApiError, HeuristicJudge, LLMJudge, chat, local_complete,
+                   openai_complete, parse_reply)
 
 BEFORE = """### Repository Knowledge
 - Run the tests with `pytest -x tests/`.
@@ -155,8 +156,9 @@ def _dims(**kw):
 
 @pytest.mark.parametrize("garbage", [
     "", "{", "null", "[1, 2]", '{"new_discoveries": 1}', _dims(new_discoveries=3),
-    _dims(error_correction=-1), _dims(verification_targets=True), _dims(new_discoveries="2"),
-    _dims(non_redundant_change=1.5), "\x00\xff" * 50, None, 42, "[" * 100_000,
+    _dims(error_correction=-1), _dims(verification_targets=True), _dims(new_discoveries="two"),
+    _dims(non_redundant_change=1.5), _dims(new_discoveries="1/3"), _dims(new_discoveries=[1, 2]),
+    _dims(new_discoveries="4/8"), _dims(new_discoveries=[True]), "[{}, {}]", "\x00\xff" * 50, None, 42, "[" * 100_000,
     "{" + "[" * 100_000 + "}",
 ])
 def test_llm_judge_garbage_scores_zero(garbage, caplog):
@@ -175,6 +177,17 @@ def test_llm_judge_backend_error_scores_zero():
     assert r.score == 0.0 and r.fallback and "backend error" in r.detail and len(seen) == 2
 
 
+def test_parse_reply_accepts_harmless_shapes():
+    # what small models write around a valid answer: [2], "2", "2/2" (of 2), a list of one object
+    reply = ('{"new_discoveries": [2], "error_correction": "0", "verification_targets": "2/2", '
+             '"non_redundant_change": " 1 "}')
+    want = {"new_discoveries": 2, "error_correction": 0, "verification_targets": 2,
+            "non_redundant_change": 1}
+    assert parse_reply(reply) == want
+    assert parse_reply("[" + reply + "]") == want
+    assert LLMJudge(_scripted(["[" + reply + "]"])[0]).score(BEFORE, "x") == pytest.approx(5 / 8)
+
+
 def test_parse_reply_accepts_integral_floats_and_extra_keys():
     reply = ('Here you go: {"new_discoveries": 1.0, "error_correction": 2, '
              '"verification_targets": 0, "non_redundant_change": 1, "why": "ok"}')
@@ -188,7 +201,9 @@ def test_parse_reply_accepts_integral_floats_and_extra_keys():
 
 class _Stub:
     """A chat/completions server that answers from a script: ("ok", text) | ("status", code) |
-    ("sleep", seconds). Records each request's path, headers and JSON body."""
+    ("sleep", seconds) | ("error", code, body: a JSON-able error body) | ("no_json_mode", text):
+    a 400 naming response_format if the request asks for it, else text. Records each request's
+    path, headers and JSON body."""
 
     def __init__(self, script):
         self.script, self.requests = list(script), []
@@ -201,8 +216,20 @@ class _Stub:
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 stub.requests.append((self.path, dict(self.headers), body))
-                kind, arg = stub.script.pop(0) if stub.script else ("status", 500)
+                kind, arg, *rest = stub.script.pop(0) if stub.script else ("status", 500)
                 try:
+                    if kind == "no_json_mode" and "response_format" in body:
+                        kind, arg, rest = "error", 400, [{"error": {
+                            "message": "response_format: json_object is not supported by this server",
+                            "type": "invalid_request_error", "param": "response_format", "code": None}}]
+                    if kind == "error":
+                        data = json.dumps(rest[0]).encode()
+                        self.send_response(arg)
+                        self.send_header("Content-Type", "application/json")
+                        self.send_header("Content-Length", str(len(data)))
+                        self.end_headers()
+                        self.wfile.write(data)
+                        return
                     if kind == "sleep":
                         time.sleep(arg)
                         kind, arg = "ok", "late"
@@ -235,6 +262,12 @@ class _Stub:
         self.server.server_close()
 
 
+@pytest.fixture(autouse=True)
+def fresh_json_mode_memory(monkeypatch):
+    # which endpoints refused JSON mode is remembered per process: each test starts clean
+    monkeypatch.setattr(judge, "_NO_JSON_MODE", set())
+
+
 def test_openai_complete_success(monkeypatch):
     monkeypatch.setenv("JUDGE_TEST_KEY", "sk-test")
     with _Stub([("ok", "hello")]) as stub:
@@ -246,6 +279,7 @@ def test_openai_complete_success(monkeypatch):
     assert headers["Authorization"] == "Bearer sk-test"
     assert body["model"] == "judge-model" and body["temperature"] == 0.0
     assert body["messages"] == [{"role": "user", "content": "hi there"}]
+    assert body["response_format"] == {"type": "json_object"}     # the judge asks for JSON mode
 
 
 def test_openai_complete_retries_500_then_succeeds(monkeypatch):
@@ -269,7 +303,8 @@ def test_openai_complete_timeout_and_4xx():
         assert time.time() - t < 3.0
         assert len(stub.requests) == 2
     with _Stub([("status", 400), ("ok", "never")]) as stub:
-        complete = openai_complete(stub.url, "m", timeout=5, retries=3, backoff=0.01)
+        complete = openai_complete(stub.url, "m", timeout=5, retries=3, backoff=0.01,
+                                   json_mode=False)
         with pytest.raises(RuntimeError, match="HTTP 400"):
             complete("hi")
         assert len(stub.requests) == 1                          # client errors are not retried
@@ -325,3 +360,161 @@ def test_local_complete_tiny_model():
     assert complete("Reply with JSON.") == out                   # greedy: deterministic
     r = LLMJudge(complete).score_parts(BEFORE, PAIRS["specific"])
     assert r.score == 0.0 and r.fallback and r.attempts == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# chat(): the server's own error message, context overflow, JSON mode fallback
+
+OPENAI_OVERFLOW = {"error": {
+    "message": "This model's maximum context length is 2048 tokens. However, you requested 2300 "
+               "tokens (1788 in the messages, 512 in the completion). Please reduce the length of "
+               "the messages or completion.",
+    "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}}
+LLAMACPP_OVERFLOW = {"error": {
+    "code": 400, "message": "request (4476 tokens) exceeds the available context size (4096 tokens)",
+    "type": "exceed_context_size_error", "n_prompt_tokens": 4476, "n_ctx": 4096}}
+VLLM_OVERFLOW = {"object": "error", "message": "This model's maximum context length is 4096 tokens. "
+                 "However, you requested 5000 tokens in the messages.", "type": "BadRequestError",
+                 "param": None, "code": 400}
+NOT_FOUND = {"error": {"message": "The model `gpt-9` does not exist", "type": "invalid_request_error",
+                       "param": None, "code": "model_not_found"}}
+
+
+@pytest.mark.parametrize("body,overflow,text", [
+    (OPENAI_OVERFLOW, True, "maximum context length is 2048 tokens"),
+    (LLAMACPP_OVERFLOW, True, "exceeds the available context size (4096 tokens)"),
+    (VLLM_OVERFLOW, True, "maximum context length is 4096 tokens"),
+    (NOT_FOUND, False, "The model `gpt-9` does not exist"),
+])
+def test_chat_keeps_the_server_message(body, overflow, text):
+    with _Stub([("error", 400, body), ("ok", "never")]) as stub:
+        with pytest.raises(ApiError) as e:
+            chat(stub.url, "m", [{"role": "user", "content": "hi"}], timeout=5, retries=3,
+                 backoff=0.01)
+        assert len(stub.requests) == 1                             # a 4xx is not retried
+    assert text in str(e.value) and text in e.value.message and "HTTP 400" in str(e.value)
+    assert e.value.status == 400 and e.value.context_overflow is overflow
+
+
+def test_chat_overflow_on_a_5xx_is_not_retried_and_the_last_error_is_kept():
+    # some llama.cpp versions answer an overflow with a 500: retrying cannot help
+    with _Stub([("error", 500, LLAMACPP_OVERFLOW), ("ok", "never")]) as stub:
+        with pytest.raises(ApiError) as e:
+            chat(stub.url, "m", [{"role": "user", "content": "hi"}], timeout=5, retries=3,
+                 backoff=0.01)
+        assert len(stub.requests) == 1 and e.value.context_overflow and e.value.status == 500
+    busy = {"error": {"message": "server is busy", "type": "server_error", "code": 503}}
+    with _Stub([("error", 503, busy), ("error", 503, busy)]) as stub:
+        with pytest.raises(ApiError, match="gave up after 2 tries.*server is busy") as e:
+            chat(stub.url, "m", [{"role": "user", "content": "hi"}], timeout=5, retries=1,
+                 backoff=0.01)
+        assert e.value.status == 503 and e.value.message == "server is busy"
+        assert not e.value.context_overflow
+
+
+def test_chat_overflow_in_json_mode_is_not_retried_without_it():
+    # an overflow is not a refusal of JSON mode: asking again without it would overflow again
+    with _Stub([("error", 400, OPENAI_OVERFLOW), ("ok", "never")]) as stub:
+        with pytest.raises(ApiError) as e:
+            chat(stub.url, "m", [{"role": "user", "content": "hi"}], timeout=5, json_mode=True)
+        assert len(stub.requests) == 1 and e.value.context_overflow
+
+
+def test_chat_drops_json_mode_for_a_server_that_refuses_it():
+    reply = json.dumps({"new_discoveries": 1, "error_correction": 0, "verification_targets": 1,
+                        "non_redundant_change": 2})
+    with _Stub([("no_json_mode", reply)] * 3) as stub:
+        complete = openai_complete(stub.url, "m", timeout=5, retries=0)
+        assert complete("grade") == reply                          # refused, asked again without
+        assert complete("grade") == reply                          # remembered: asked without at once
+    sent = ["response_format" in body for _, _, body in stub.requests]
+    assert sent == [True, False, False]
+    # any other 4xx on the first try with JSON mode counts as a refusal too (e.g. a 422)
+    with _Stub([("error", 422, {"detail": "extra fields not permitted"}), ("ok", reply)]) as stub:
+        assert LLMJudge(openai_complete(stub.url, "m2", timeout=5, retries=0)).score(
+            BEFORE, "x") == pytest.approx(4 / 8)
+        assert ["response_format" in b for _, _, b in stub.requests] == [True, False]
+
+
+def test_judge_over_http_accepts_harmless_shapes(caplog):
+    # the small model behind a llama.cpp server writes [2] and "2/2"; a prose reply falls back
+    shaped = '{"new_discoveries": [2], "error_correction": [0], "verification_targets": "2/2", ' \
+             '"non_redundant_change": "2"}'
+    with _Stub([("ok", shaped), ("ok", "[2]"), ("ok", "I rate it 2.")]) as stub:
+        j = LLMJudge(openai_complete(stub.url, "m", timeout=5, retries=0))
+        assert j.score(BEFORE, PAIRS["specific"]) == pytest.approx(6 / 8)
+        with caplog.at_level("WARNING", logger="judge"):
+            r = j.score_parts(BEFORE, PAIRS["specific"])
+        assert r.fallback and r.score == 0.0 and "fell back" in caplog.text
+
+
+def test_eval_agreement_over_an_endpoint(capsys):
+    # python judge.py eval --judge openai: the code path the README's figure comes from
+    pairs = judge.load_pairs()[:3]
+    reply = json.dumps({"new_discoveries": 2, "error_correction": 0, "verification_targets": 0,
+                        "non_redundant_change": 0})
+    with _Stub([("ok", reply)] * 6) as stub:
+        a = judge.agreement(LLMJudge(openai_complete(stub.url, "m", timeout=5, retries=0)),
+                            pairs, "openai")
+    assert a.n == 3 and a.fallbacks == 0 and all(s == pytest.approx(2 / 8) for _, s in a.scores)
+    print(judge.agreement_table([a]))
+    assert "| openai | 3 |" in capsys.readouterr().out
+
+
+def test_eval_cli_prints_the_agreement_table(capsys):
+    judge._eval_main(["--judge", "heuristic", "--per-category", "1"])
+    out = capsys.readouterr().out
+    assert "| heuristic | 20 | 1.00 (0.15) |" in out                # 10 categories x 2 domains
+    assert "| cheap | status | 2 |" in out
+
+
+def test_eval_cli_errors_are_one_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"label": "maybe"}\n')
+    with pytest.raises(SystemExit, match="bad.jsonl:1: not a labelled pair"):
+        judge._eval_main(["--data", str(bad)])
+    with pytest.raises(SystemExit, match="needs --url and --api-model"):
+        judge._eval_main(["--judge", "openai"])
+
+
+# ---------------------------------------------------------------------------------------------
+# heuristic rules, one at a time (the labelled set in tests/test_judge_labels.py tests them together)
+
+ALCH = """### Repository Knowledge
+- Potion red makes a stone pointy.
+- Potion yellow makes a stone small.
+### Lessons & Pitfalls
+- Try each unknown potion colour once.
+- Last task alchemy/w00/t04: score 0.61.
+"""
+
+
+@pytest.mark.parametrize("line,kind", [
+    ("- Last task alchemy/w00/t05: score 0.90.", "status"),
+    ("- Progress: 4/6 tasks resolved, mean reward 0.71.", "status"),
+    ("- Keep patches small and simple.", "generic"),              # "small" is English here
+    ("- Blocked: small purple round <-> small purple round <-> small purple round.", "repetition"),
+    ("- zx_91 qq.vv lorp_3 mmk.k --frob", "stuffing"),
+    ("- Known: red green orange cyan yellow pink.", "stuffing"),
+    ("- Potion green makes a stone round.", ""),
+    ("- Blocked: small blue round <-> small purple round.", ""),
+])
+def test_heuristic_line_shapes(line, kind):
+    assert judge._measure(line).cheap == kind
+
+
+def test_heuristic_bookkeeping_and_negation():
+    j = HeuristicJudge()
+    seen = ALCH.replace("pointy.", "pointy (seen in task t04).")
+    assert j.score(seen, seen.replace("t04", "t05")) == 0.0         # a new task id is no new fact
+    # the same words negated are not a paraphrase: a correction of the old fact
+    neg = ALCH.replace("- Potion red makes a stone pointy.",
+                       "- Potion red does not make a stone pointy: it makes it round.")
+    assert j.score_parts(ALCH, neg).error_correction == 1
+    # a correction that keeps the old value in view ("not 10") still needs its cue
+    assert j.score_parts(BEFORE, PAIRS["corrected"]).error_correction == 1
+
+
+def test_heuristic_world_terms_match_alchemy():
+    from alchemy import COLOURS, FEATURES
+    assert judge.WORLD_TERMS == set(COLOURS) | {w for pair in FEATURES for w in pair}
