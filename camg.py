@@ -118,6 +118,8 @@ class Config:
     lam: float = 1.0                # GAE lambda
     num_minibatches: int = 1        # optimizer steps per update
     max_grad_norm: float = 1.0
+    behav_imp_weight_cap: float = 0.0  # drop tokens whose pi_prox/pi_behav exceeds this (0 = off; 5.0 with eta >= 1 or a bf16 sampler)
+    clip_ratio_c: float = 0.0       # dual-clip bound for negative advantages (0 = off; verl uses 3.0)
     micro_batch_tokens: int = 4096  # padded tokens per learner forward
     eval_tasks: int = 1             # test tasks per environment (the paper: 128); 0 = no evaluation
     eval_stream_len: int = 1        # tasks per evaluation stream (memory carries along a stream)
@@ -155,6 +157,8 @@ class Config:
         cli.check_number("worker_timeout_s", self.worker_timeout_s, lo=0, lo_open=True)
         for name in ("weight_decay", "clip_low", "clip_high", "vf_coef", "kl_coef", "entropy_coef", "max_grad_norm"):
             cli.check_number(name, getattr(self, name), lo=0)
+        for name in ("behav_imp_weight_cap", "clip_ratio_c"):
+            check(getattr(self, name) == 0 or getattr(self, name) > 1, f"{cli.flag(name)} must be 0 (off) or > 1")
         check(re.fullmatch(r"(cpu|cuda(:\d+)?)?", self.device),
               f"--device must be cpu, cuda or cuda:N (empty = cuda if available), got {self.device!r}")
         check(not self.device.startswith("cuda") or torch.cuda.is_available(),
@@ -194,6 +198,12 @@ def cpu_threads(cfg: Config, num_procs: int) -> int:
     matmuls gain nothing from intra-op threads (they cost ~4x on a busy 2-core machine)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return 1 if cfg.model.startswith("tiny") else max(1, cores // num_procs)
+
+
+def make_env(name: str):
+    """A CAMG environment as this trainer uses it: `.agent_memory/` carries from task to task of a
+    stream in every environment (the coding env keeps it across tasks only when asked)."""
+    return envs.make(name, **({"keep_memory": True} if name == "coding" else {}))
 
 
 def by_group(tasks) -> list[list]:
@@ -344,7 +354,7 @@ def memory_note(env) -> str:
 def to_samples(episodes, names, version: int, worker: int, batch_s: float) -> list[Sample]:
     out = []
     for ep, name in zip(episodes, names):
-        rows = [(r.tokens, r.loss_mask, r.logprobs) for r in ep.rows() if len(r.tokens) >= 2]
+        rows = [(r.tokens, r.loss_mask, r.logprobs, r.temperature) for r in ep.rows() if len(r.tokens) >= 2]
         out.append(Sample(env=name, task_id=ep.task.id, version=version, worker=worker, score=float(ep.score),
                           success=0.0 if ep.error else float(ep.info.get("success", 0.0)), finish=ep.finish,
                           error=ep.error, rows=rows, num_turns=ep.num_turns, num_resets=ep.num_resets,
@@ -367,7 +377,7 @@ class RolloutWorker:
     """A generation model, the policy version it holds and open task streams. rollout_batch() never
     raises: an episode that cannot run comes back as a failed Sample carrying the reason."""
 
-    def __init__(self, cfg: Config, model, tokenizer, worker_id: int = 0, seed=0, make_env=envs.make):
+    def __init__(self, cfg: Config, model, tokenizer, worker_id: int = 0, seed=0, make_env=make_env):
         self.cfg, self.model, self.tokenizer, self.worker_id = cfg, model, tokenizer, worker_id
         self.version, self.rng, self.names = 0, random.Random(seed), list(cfg.weights)
         self.protos = {n: make_env(n) for n in self.names}
@@ -465,11 +475,12 @@ def build_batch(samples: list[Sample], learner: Learner, gamma: float, lam: floa
     """This rank's training rows with advantages and value targets, or None without a policy token.
     Every row (context) of an episode gets the episode's score at its last policy token: memory and task
     actions share the task return. values: the critic's at the start of this update."""
-    rows = [(t, m, lp, s.version, s.score) for s in samples for t, m, lp in s.rows if any(m)]
+    rows = [(t, m, lp, temp, s.version, s.score) for s in samples for t, m, lp, temp in s.rows if any(m)]
     if not rows:
         return None
-    toks, masks, lps, vers, scores = map(list, zip(*rows))
-    batch, d = make_batch(toks, masks, lps, versions=vers), learner.d
+    toks, masks, lps, temps, vers, scores = map(list, zip(*rows))
+    # each row is scored at the temperature it was sampled at (pi_prox / pi_behav = 1 on fresh rows)
+    batch, d = make_batch(toks, masks, lps, versions=vers, temperatures=temps), learner.d
     if d.world_size > 1:            # every train rank built the same rows; each trains on its share
         batch, scores = batch.shard(d.rank, d.world_size), scores[d.rank::d.world_size]
     mask = batch.loss_mask                                                 # [B, T]
@@ -507,7 +518,7 @@ def eval_streams(env, num_tasks: int, stream_len: int) -> list[list]:
 
 
 @torch.no_grad()
-def evaluate(cfg: Config, model, tokenizer, mode: str, rank: int = 0, world: int = 1, make_env=envs.make) -> dict:
+def evaluate(cfg: Config, model, tokenizer, mode: str, rank: int = 0, world: int = 1, make_env=make_env) -> dict:
     """{env: {"success", "score", "num", "failed"}} summed over this rank's streams. All environments'
     streams step together (one batched generate per turn); pairs of streams stay on one rank so that
     'shuffle' always has a partner of the same environment."""
@@ -560,7 +571,7 @@ def table2(rows: list[tuple[str, dict]]) -> str:
                                "CompactionRL's average and the blanked row are derived from its reported figures.")
 
 
-def run_eval(cfg: Config, learner: Learner, tokenizer, step: int, ex: Exchange, make_env=envs.make) -> str:
+def run_eval(cfg: Config, learner: Learner, tokenizer, step: int, ex: Exchange, make_env=make_env) -> str:
     """Every train rank evaluates its share of the streams; rank 0 gathers the parts through files (no
     collective waits on the slowest rank) and writes eval.md / eval.json. Returns the table (rank 0)."""
     d, rows = learner.d, []
@@ -642,7 +653,7 @@ def one_line(m: dict) -> str:
             f"lag {g('lag_mean', '.1f')}/{m['lag_max']} stale {m['dropped_stale']} failed {m['failed']}")
 
 
-def learner_main(cfg: Config, d: Dist, num_spawn: int = 0, remote_workers: bool = False, make_env=envs.make):
+def learner_main(cfg: Config, d: Dist, num_spawn: int = 0, remote_workers: bool = False, make_env=make_env):
     run_dir = Path(cfg.run_dir)
     ckpt = run_dir / "ckpt"
     resuming = cfg.resume and checkpoint_path(str(ckpt)) is not None
@@ -665,7 +676,8 @@ def learner_main(cfg: Config, d: Dist, num_spawn: int = 0, remote_workers: bool 
                       lr=cfg.lr, weight_decay=cfg.weight_decay, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                       kl_coef=cfg.kl_coef, entropy_coef=cfg.entropy_coef, vf_coef=cfg.vf_coef, max_lag=cfg.eta,
                       max_grad_norm=cfg.max_grad_norm, micro_batch_tokens=cfg.micro_batch_tokens,
-                      gradient_checkpointing=d.device.type == "cuda", dist_info=d)
+                      gradient_checkpointing=d.device.type == "cuda", dist_info=d,
+                      behav_imp_weight_cap=cfg.behav_imp_weight_cap or None, clip_ratio_c=cfg.clip_ratio_c or None)
     step = learner.load(str(ckpt))["step"] if resuming else 0
     if resuming:
         print0(f"resuming {run_dir} at update {step} (policy version {learner.version})")

@@ -93,6 +93,8 @@ class Args:
     kl_coef: float = 0.01            # k1 KL to the frozen reference
     clip_low: float = 0.2
     clip_high: float = 0.28
+    behav_imp_weight_cap: float = 0.0  # drop tokens whose pi_prox/pi_behav exceeds this (0 = off; see ppo.policy_loss)
+    clip_ratio_c: float = 0.0        # dual-clip bound for negative advantages (0 = off; verl uses 3.0)
     temperature: float = 1.0
     max_turns: int = 24              # actor turns per task (paper 40)
     max_new_tokens: int = 24         # tokens per actor reply
@@ -146,6 +148,8 @@ class Args:
         for name in ("kl_coef", "clip_low", "clip_high", "beta", "lam", "eval_temperature"):
             cli.check_number(name, getattr(self, name), lo=0)
         cli.check_number("warmstart_threshold", self.warmstart_threshold, lo=0, hi=1)
+        cli.check(self.behav_imp_weight_cap == 0 or self.behav_imp_weight_cap > 1, "--behav-imp-weight-cap must be 0 (off) or > 1")
+        cli.check(self.clip_ratio_c == 0 or self.clip_ratio_c > 1, "--clip-ratio-c must be 0 (off) or > 1")
         check(self.warmstart_mode in ("protocol", "imitation"), f"--warmstart-mode must be protocol or imitation, got {self.warmstart_mode!r}")
         check(self.order in ("easy_to_hard", "shuffled"), f"--order must be easy_to_hard or shuffled, got {self.order!r}")
         check(self.explore_mode in ("advantage", "reward"), "--explore-mode must be advantage or reward")
@@ -424,7 +428,7 @@ def rl_rows(outs, groups_of, args: Args, writer_prompt_text: str):
     for i, (c, t) in enumerate((c, t) for c in range(len(outs)) for t in range(T)):
         if adv.keep[i] and args.actor != "frozen":
             for r in outs[c].episodes[t].rows():
-                actor.append((r.tokens, r.loss_mask, r.logprobs, adv.advantages[i]))
+                actor.append((r.tokens, r.loss_mask, r.logprobs, adv.advantages[i], r.temperature))
     # writer: windowed reward per copy, then GRPO over the group at (stream, position)
     w_rewards, w_groups, w_items, deltas, pasts, oks = [], [], [], [], [], []
     for c, o in enumerate(outs):
@@ -440,7 +444,7 @@ def rl_rows(outs, groups_of, args: Args, writer_prompt_text: str):
     if args.writer != "frozen":
         for w, a, k in zip(w_items, w_adv, w_keep):
             if k:
-                writer.append((w.tokens, w.loss_mask, w.logprobs, a))
+                writer.append((w.tokens, w.loss_mask, w.logprobs, a, w.temperature))
     statuses = [w.status for o in outs for w in o.writes]
     parts.update(score=sum(scores) / len(scores), explore=sum(explore) / len(explore),
                  explore_bonus=sum(abs(b) for b in adv.explore_bonus) / len(scores),
@@ -458,9 +462,11 @@ def rl_rows(outs, groups_of, args: Args, writer_prompt_text: str):
 def batch_of(rows, version):
     # every rank must join every update (FSDP collectives): a rank whose groups were all dropped
     # joins with one empty row (mask 0), which contributes nothing to the global token mean
-    rows = rows or [([0, 0], [0, 0], [0.0, 0.0], 0.0)]
+    # rows: (tokens, loss mask, behaviour logprobs, advantage, sampling temperature); the learner
+    # scores every logprob under the temperature its row was sampled at
+    rows = rows or [([0, 0], [0, 0], [0.0, 0.0], 0.0, 1.0)]
     return make_batch([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows],
-                      versions=[version] * len(rows))
+                      versions=[version] * len(rows), temperatures=[r[4] for r in rows])
 
 
 # -----------------------------------------------------------------------------
@@ -492,6 +498,14 @@ class Run:
                 f.write(cli.dumps({"time": time.time(), **row}) + "\n")
 
 
+def learner_settings(args: Args, d) -> dict:
+    # activation checkpointing pays off on GPUs with real models; on CPU small models it only recomputes
+    return dict(lr=args.lr, clip_low=args.clip_low, clip_high=args.clip_high, kl_coef=args.kl_coef,
+                micro_batch_tokens=args.micro_batch_tokens, gradient_checkpointing=d.device.type == "cuda",
+                dist_info=d, behav_imp_weight_cap=args.behav_imp_weight_cap or None,
+                clip_ratio_c=args.clip_ratio_c or None)
+
+
 def setup(args: Args) -> Run:
     """Model, learner(s), environment, judge, held-out streams; resume from the last checkpoint.
     The reference (KL anchor) and a frozen writer hold the weights RL starts from: on a resume they
@@ -516,10 +530,7 @@ def setup(args: Args) -> Run:
         model = load(warm_dir)                              # the weights RL started from
     # the laptop preset plays one Alchemy trial per task (the paper's episodes are longer): short rows
     env = envs.make(args.env, **({"num_trials": 1} if args.env == "alchemy" and args.preset == "laptop" else {}))
-    # activation checkpointing pays off on GPUs with real models; on CPU small models it only recomputes
-    learner = Learner(model, ref_model=copy.deepcopy(model), lr=args.lr, clip_low=args.clip_low,
-                      clip_high=args.clip_high, kl_coef=args.kl_coef, micro_batch_tokens=args.micro_batch_tokens,
-                      gradient_checkpointing=d.device.type == "cuda", dist_info=d)
+    learner = Learner(model, ref_model=copy.deepcopy(model), **learner_settings(args, d))
     run = Run(args, d, tokenizer, env, learner, judge=make_judge(args, tokenizer), streams=eval_streams(env, args),
               state={"step": 0, "warm": None, "eval_before": None}, resuming=resuming)
     if torch.distributed.is_initialized():
@@ -545,10 +556,7 @@ def warm_start_phase(run: Run) -> None:
         run.writer_model = learner.gen_model
     elif args.writer == "decoupled":
         wm = copy.deepcopy(learner.gen_model).float().requires_grad_(True)   # the generation copy is frozen (bf16 on GPU)
-        run.writer_learner = Learner(wm, ref_model=copy.deepcopy(wm), lr=args.lr, clip_low=args.clip_low,
-                                     clip_high=args.clip_high, kl_coef=args.kl_coef,
-                                     micro_batch_tokens=args.micro_batch_tokens,
-                                     gradient_checkpointing=run.d.device.type == "cuda", dist_info=run.d)
+        run.writer_learner = Learner(wm, ref_model=copy.deepcopy(wm), **learner_settings(args, run.d))
         run.writer_model = run.writer_learner.gen_model
     if run.resuming:
         if run.writer_learner is not None:

@@ -295,9 +295,9 @@ def test_learner_trains_through_failures_and_logs_every_episode(tmp_path, action
 def test_every_segment_gets_the_return_at_its_last_policy_token():
     model, _ = camg.build_model("tiny", "cpu", 0)
     learner = Learner(model, value_head=True, gradient_checkpointing=False)   # value head starts at V = 0
-    seg1 = ([5, 6, 7, 8, 9], [0, 1, 1, 0, 0], [0.0, -1.0, -2.0, 0.0, 0.0])   # closed by a context reset
-    seg2 = ([5, 6, 7, 8], [0, 0, 1, 0], [0.0, 0.0, -0.5, 0.0])
-    other = ([5, 6, 7], [0, 1, 1], [0.0, -1.0, -1.0])
+    seg1 = ([5, 6, 7, 8, 9], [0, 1, 1, 0, 0], [0.0, -1.0, -2.0, 0.0, 0.0], 1.0)   # closed by a context reset
+    seg2 = ([5, 6, 7, 8], [0, 0, 1, 0], [0.0, 0.0, -0.5, 0.0], 1.0)
+    other = ([5, 6, 7], [0, 1, 1], [0.0, -1.0, -1.0], 1.0)
     samples = [camg.Sample("shop", "a", 0, 0, 0.75, 0.0, "done", rows=[seg1, seg2]),
                camg.Sample("shop", "b", 0, 0, 0.25, 0.0, "done", rows=[other])]
     batch = camg.build_batch(samples, learner, gamma=1.0, lam=1.0)
