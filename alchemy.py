@@ -30,9 +30,9 @@ What a world fixes and what a task varies (so both "notes transfer" and "difficu
 
 Simplified on purpose:
 - dm_alchemy removes edges a face at a time ("constraints"); here single edges go, one per
-  difficulty level, so difficulty moves in steps of one edge (DESIGN: 12 kept = easy .. 7 = hard).
+  difficulty level, so difficulty moves in steps of one edge (RIME's scale: 12 kept = easy .. 7 = hard).
 - No 45-degree feature rotation (dm_alchemy's hardest level); stones never start at +15.
-- A task is one episode of `num_trials` trials (default 3, not DESIGN's 10: 10 trials of ~10
+- A task is one episode of `num_trials` trials (default 3, not the benchmark's 10: 10 trials of ~10
   steps overflow a 135M model's context). The chemistry is fixed in the episode; stones and
   potions are redrawn each trial.
 
@@ -46,7 +46,7 @@ import random
 import re
 from dataclasses import dataclass
 
-from envs import Task
+from workspace import Task
 
 FEATURES = (("small", "large"), ("blue", "purple"), ("round", "pointy"))  # axis i: bit 0 / bit 1
 FEATURE_NAMES = ("size", "colour", "shape")
@@ -599,7 +599,7 @@ def format_notes(knowledge: dict) -> str:
 
 def memory_text(knowledge: dict, last_task: str = "", last_score: float = None) -> str:
     """The scripted writer: what the reference actor inferred, as a RIME memory in the writer's
-    two-section format (DESIGN.md: two headers, >= 2 bullets each). `parse_notes` reads it back, so
+    two-section format (two headers, >= 2 bullets each). `parse_notes` reads it back, so
     the reference actor with this memory starts the next task knowing the chemistry."""
     facts = format_notes(knowledge).splitlines() or ["- No potion effect confirmed yet."]
     if len(facts) < 2:

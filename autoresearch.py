@@ -38,7 +38,7 @@ import re
 
 import numpy as np
 
-from envs import MEMORY_DIR, ShellTaskEnv, Task, Workspace, read_workspace_file
+from workspace import MEMORY_DIR, ShellTaskEnv, Task, Workspace, read_workspace_file
 
 SUCCESS_THRESHOLD = 0.5
 NUM_TRAIN, NUM_VAL, NUM_TEST, NUM_COLUMNS = 1500, 500, 1000, 8

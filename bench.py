@@ -59,7 +59,7 @@ from judge import ApiError, chat  # the OpenAI-compatible HTTP client (the judge
 
 STREAMS = ("alchemy", "codebase19", "codebase26", "codebase27", "camg")
 CAMG_ENVS = ("shop", "coding", "deepresearch", "autoresearch")
-# DESIGN.md / the seed text: Codebase Adaptation, 19-task stream (cumulative reward, cumulative gain)
+# the RIME paper: Codebase Adaptation, 19-task stream (cumulative reward, cumulative gain)
 PUBLISHED = [("Qwen3.5-4B + RIME", 10.55, 2.27), ("GPT-5.4", 10.14, 0.69), ("Claude Opus 4.7", 10.36, 1.49),
              ("GPT-6 Astra", 17.25, 2.26), ("Claude Opus 5.5", 17.40, 0.90)]
 

@@ -14,7 +14,7 @@ The defaults fit a 2-core CPU (a few minutes with SmolLM2): the pipeline end to 
 value loss, explained variance, grad norm, tokens/s, staleness), episodes.jsonl (every episode the learner
 received and its fate: train / stale / failed / unused), ckpt/ (resumed by default), eval.md, eval.json.
 
-How it works (DESIGN.md "Asynchronous PPO", as in AReaL):
+How it works (as in AReaL's asynchronous PPO):
 - Rollout workers generate continuously with the newest weights they have, over streams of training
   tasks whose `.agent_memory/` persists from task to task (a new stream starts blank); each episode
   carries the version of the weights that generated it. rollout.py's CONTINUATION.md reset protocol runs
@@ -72,7 +72,7 @@ TITLES = {"shop": "Shop", "coding": "Coding", "deepresearch": "DeepResearch", "a
 MEMORY_MODES = ("full", "blank", "shuffle", "continuation")
 CONTINUATION_FILE = CONTINUATION_PATH.split("/", 1)[1]           # "CONTINUATION.md" inside .agent_memory/
 # the CAMG paper's Table 2 and ablations, success (%): (row, Shop, Coding, DeepResearch, AutoResearch, average).
-# Derived here, not printed as such in DESIGN.md: CompactionRL's average (mean of its four) and the blanked
+# Derived here, not printed as such in the source: CompactionRL's average (mean of its four) and the blanked
 # row (the 4B row minus the reported costs 29.4 / 13.8 / 4.8 / 8.3; their mean)
 PAPER_ROWS = [
     ("CAMG-RL-4B", 97.1, 26.6, 55.5, 38.3, 54.4),

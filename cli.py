@@ -39,8 +39,9 @@ def check(ok, message: str) -> None:
 
 
 def fail(prog: str, message: str):
-    """The one error style of the entry points: one line on stderr, exit status 2."""
-    sys.exit(f"{prog}: error: {message}")
+    """The one error style of the entry points: one line on stderr, exit status 2 (as argparse's)."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def flag(name: str) -> str:

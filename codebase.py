@@ -73,7 +73,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from envs import MEMORY_DIR, Task, read_memory, write_memory
+from workspace import MEMORY_DIR, Task, read_memory, write_memory
 
 ROOT = Path(__file__).resolve().parent
 DATA_DIR = ROOT / "data" / "codebase"

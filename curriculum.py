@@ -14,15 +14,15 @@ hard (level k of n goes to band round(2k / (n - 1)); 6 Alchemy levels -> {0,1} {
 levels -> one each; 2 levels -> easy and hard).
 
 easy_to_hard. Two blocks of `segment` tasks: block A is drawn from the easy band, block B from the
-band the `tier` names (DESIGN's tiers run easy -> hard over training):
+band the `tier` names (RIME's tiers run easy -> hard over training):
     tier "easy":  A easy, B easy        (pure-easy blocks)
     tier "mid":   A easy, B mid         (easy + mid)
     tier "mixed": A easy+mid, B any band (mixed easy / mid / hard)
     tier "hard":  A easy, B hard        (the default: the paper's "6 easy then 6 hard")
-Inside a block tasks run easiest first (by Task.difficulty; DESIGN measures it by pass rate).
+Inside a block tasks run easiest first (by Task.difficulty; RIME measures it by pass rate).
 same_group=True (default) draws both blocks from one group (an Alchemy world, a repository), so
 what memory learns early stays true later (the issue: "tasks of one stream share a world");
-same_group=False draws block B from another group where one qualifies (DESIGN's "two blocks of 6
+same_group=False draws block B from another group where one qualifies (RIME's "two blocks of 6
 tasks, each from a different repository").
 
 shuffled. Exactly the tasks easy_to_hard picks for the same arguments, in a random order: the

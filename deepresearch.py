@@ -39,7 +39,7 @@ from collections import Counter
 
 import numpy as np
 
-from envs import BM25, MEMORY_DIR, ShellTaskEnv, Task, Workspace, tokenize
+from workspace import BM25, MEMORY_DIR, ShellTaskEnv, Task, Workspace, tokenize
 
 SYLLABLES = ["ka", "vel", "dor", "mi", "ra", "tan", "sil", "bo", "ren", "gal", "thu", "lio", "fe",
              "nor", "ush", "ve", "pra", "zel", "mo", "ir", "ca", "den", "lu", "sor", "qua", "bri",

@@ -2,18 +2,18 @@
 critic-free group baseline, KL to a frozen reference, entropy bonus, SFT loss, FSDP2 sharding, weight
 sync to a generation copy, and torch.distributed.checkpoint checkpoints.
 
-    from ppo import Learner, make_batch, stats_line
+    from ppo import Learner, make_batch
     learner = Learner(model, ref_model=copy.deepcopy(model), lr=1e-6)   # single process (CPU or one GPU)
     # critic-free (RIME): one advantage per row, from rewards.group_advantages
     batch = make_batch(tokens, loss_masks, logprobs, row_advantages, versions=versions)
     stats = learner.update(batch)      # one optimizer step; learner.gen_model now holds the new weights
-    print(stats_line(stats))
+    print(stats)                       # loss, pg_loss, approx_kl, clipfrac, entropy, grad_norm, ...
     # value head + GAE (CAMG): Learner(..., value_head=True), then per token
     values = learner.values_of(batch); adv, ret = rewards.gae(token_rewards, values, batch.loss_mask)
     batch.advantages, batch.returns, batch.old_values = adv, ret, values; learner.update(batch)
     # torchrun --nproc_per_node 8 rime.py : init_distributed() once, then each rank passes its own rows
 
-The objective (DESIGN.md "Asynchronous PPO", AReaL's decoupled PPO). Three policies meet in one loss:
+The objective (AReaL's decoupled PPO). Three policies meet in one loss:
 behaviour (the generator's weights when the row was sampled: `behav_logprobs`, version `versions`),
 proximal (the learner's weights at the start of this update: `prox`) and current (the weights being
 trained). Per policy token t, with A the advantage:
@@ -53,8 +53,6 @@ KL estimators, per policy token with d = logp_cur - logp_ref: k1 = d (RIME's), k
 (Schulman's low-variance estimator, always >= 0). Both estimate KL(pi || ref) on pi's samples, and both
 are used here as a loss term (as verl does), not subtracted from the reward. As a loss, k1's gradient
 (grad logp) has zero mean on fresh samples: it only pulls back once samples are off-policy; k3's does not.
-For the classic reward-side penalty instead, subtract coef * (behav_logprobs - learner.ref_logprobs_of(batch))
-from the per-token rewards before GAE and construct the Learner with kl_coef=0.
 
 Simplified on purpose: no sequence packing (micro-batches are right-padded, rows sorted by length), no
 tensor/pipeline parallelism, no CPU offload, the reference model is not checkpointed (it is frozen:
@@ -549,12 +547,6 @@ class Learner:
         self.policy.eval()
         return self._score(self.policy, batch, temperature)
 
-    def ref_logprobs_of(self, batch: Batch) -> torch.Tensor:
-        """The frozen reference's logprobs [B, T] (for a KL penalty in the reward instead of the loss), at
-        each row's sampling temperature, as the policy's."""
-        assert self.ref_model is not None, "ref_logprobs_of needs Learner(ref_model=...)"
-        return self._score(self.ref_model, batch)
-
     def values_of(self, batch: Batch) -> torch.Tensor:
         """Value-head estimates [B, T] (aligned with tokens) for GAE: rewards.gae(r, values, mask)."""
         assert self.policy.value_head is not None, "values_of needs Learner(value_head=True)"
@@ -798,15 +790,6 @@ def _single_process_quiet():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         warnings.filterwarnings("ignore", message="Detected an existing checkpoint")  # overwriting is the intent
         yield
-
-
-HEALTH = ("loss", "pg_loss", "approx_kl", "clipfrac", "behav_kl", "behav_cap_frac", "dualclip_frac", "entropy",
-          "kl_ref", "value_loss", "explained_var", "sft_loss", "grad_norm", "response_len", "num_stale", "tokens_per_s")
-
-
-def stats_line(stats: dict) -> str:
-    """The fixed health metrics of one update on one readable line (those present)."""
-    return f"v{stats.get('version', '?')} " + " ".join(f"{k} {stats[k]:.4g}" for k in HEALTH if k in stats)
 
 
 def _rng_state() -> dict:

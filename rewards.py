@@ -1,7 +1,7 @@
 """Rewards: the writer's windowed reward, the actor's advantage with the exploration bonus,
 critic-free group advantages, GAE over masked token sequences, and the stream metrics.
 
-RIME (see ../shared/DESIGN.md, "RIME in detail") trains one model in two roles on a *stream* of
+RIME (the README's "RIME" section) trains one model in two roles on a *stream* of
 tasks. After task t the **writer** rewrites the memory M_t that the actor will read on task t+1.
 The writer is paid for the improvement its notes bring downstream, not for their length:
 
@@ -24,7 +24,7 @@ policy's own tokens (mask 1) are actions; prompt and observation tokens are skip
 Everything here is a pure function of plain Python numbers (sample-level: a handful per group)
 or torch tensors (token-level, [B, T]); each returns its total together with named parts so the
 caller can log them. Simplifications: population standard deviations (as GRPO-Zero), and the
-whole batch is one process (whitening across ranks is the caller's all-reduce).
+whole batch is one process.
 """
 
 import math
@@ -312,7 +312,7 @@ def actor_advantages(scores, groups, explore, beta=0.3, mode="advantage", lam=0.
 
 
 # ----------------------------------------------------------------------------------------------
-# token level: GAE over masked sequences, and whitening
+# token level: GAE over masked sequences
 
 
 @torch.no_grad()
@@ -366,26 +366,12 @@ def gae(rewards, values, mask, gamma=1.0, lam=1.0):
     return adv, returns
 
 
-def normalize_advantages(adv, mask, eps=1e-8):
-    """Whiten advantages over the policy tokens only: (A − mean) / (std + eps) with mean and
-    (population) std taken where mask is 1; mask-0 positions come back 0. Prompt and observation
-    tokens must not enter the statistics: they hold zeros that would drag the mean to 0.
-    Single process: under data parallelism, all-reduce the masked sums first."""
-    assert adv.shape == mask.shape, f"adv {tuple(adv.shape)} vs mask {tuple(mask.shape)}"
-    m = mask.to(adv.dtype)
-    n = m.sum()
-    assert n > 0, "normalize_advantages: mask has no policy tokens"
-    mean = (adv * m).sum() / n
-    var = (((adv - mean) * m) ** 2).sum() / n
-    return (adv - mean) * m / (var.sqrt() + eps)
-
-
 # ----------------------------------------------------------------------------------------------
 # stream metrics
 
 
 def _scratch_mean(x):
-    # one from-scratch score, or several attempts of the same task (DESIGN: 4) averaged
+    # one from-scratch score, or several attempts of the same task (the benchmark: 4) averaged
     if isinstance(x, (list, tuple)):
         assert len(x) > 0, "a task's from-scratch attempts list is empty"
         return sum(float(v) for v in x) / len(x)
@@ -399,7 +385,7 @@ def cumulative_reward(scores):
 
 def cumulative_gain(with_memory, from_scratch):
     """sum(with_memory) − sum(from_scratch), with from_scratch[t] either a float or a list of
-    several attempts at task t from scratch (averaged first; DESIGN uses 4 attempts)."""
+    several attempts at task t from scratch (averaged first; the benchmark uses 4 attempts)."""
     assert len(with_memory) == len(from_scratch), (
         f"{len(with_memory)} with-memory scores vs {len(from_scratch)} from-scratch entries")
     return cumulative_reward(with_memory) - sum(_scratch_mean(x) for x in from_scratch)
@@ -415,7 +401,7 @@ def normalized_score(r, r_stateless, r_max):
 
 @dataclass
 class StreamMetrics:
-    """Test-stream metrics (DESIGN: Metrics), totals and per-task parts."""
+    """Test-stream metrics (the benchmark's metrics), totals and per-task parts."""
     cumulative_reward: float     # sum of scores with memory
     cumulative_scratch: float    # sum of (averaged) from-scratch scores
     cumulative_gain: float       # the difference

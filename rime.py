@@ -85,7 +85,7 @@ class Args:
     no_explore: bool = False         # ablation: no exploration reward (the judge is never called)
     writer: str = "shared"           # shared | frozen (writer = initial weights, not trained) | decoupled (own weights)
     actor: str = "trained"           # trained | frozen (the actor plays with the weights RL starts from: only the writer trains)
-    judge: str = "heuristic"         # heuristic | local (a frozen copy of --judge-model) | openai
+    judge: str = "heuristic"         # heuristic | local (a frozen copy of --judge-model) | openai (the paper preset: an LLM)
     judge_model: str = ""            # local judge checkpoint (default: --model)
     judge_url: str = ""              # OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1
     judge_api_model: str = ""        # model name at that endpoint (key from $OPENAI_API_KEY)
@@ -111,6 +111,8 @@ class Args:
     eval_temperature: float = 0.0    # 0 = greedy evaluation (then one from-scratch attempt is exact)
     eval_streams: int = 16           # held-out streams over the test worlds (the CI is over streams)
     eval_segment: int = 3            # tasks per block of a held-out stream (fixed, so --segment ablations share them)
+    swebench: str = ""               # --env codebase: evaluate on these SWE-bench JSONL rows instead of the 19-issue stream
+    swebench_repos: str = ""         # a git checkout (or a folder of checkouts) holding the rows' base commits, offline
     eval_every: int = 0              # also evaluate every N RL steps (0 = only before and after)
     checkpoint_every: int = 1        # RL steps between checkpoints
     threads: int = 0                 # CPU threads per process; 0 = auto (1 for tiny/small models: their ops are too small to split)
@@ -124,9 +126,11 @@ class Args:
                 if getattr(self, name) == getattr(Args, name):
                     setattr(self, name, value)
         if self.preset == "paper":
-            for name, value in dict(group_size=8, segment=6, lr=1e-6, max_turns=40, max_new_tokens=512,
-                                    memory_tokens=2048, traj_chars=8000, eval_attempts=4,
-                                    warmstart_steps=0).items():
+            # the paper's judge is an LLM: an endpoint when one is given, else a frozen local copy
+            judge = "openai" if self.judge_url else "local"
+            for name, value in dict(group_size=8, segment=6, eval_segment=6, lr=1e-6, max_turns=40,
+                                    max_new_tokens=512, memory_tokens=2048, traj_chars=8000, eval_attempts=4,
+                                    warmstart_steps=0, judge=judge).items():
                 if getattr(self, name) == getattr(Args, name):   # explicit flags win over the preset
                     setattr(self, name, value)
         check = cli.check
@@ -158,6 +162,10 @@ class Args:
         check(not (self.actor == "frozen" and self.writer != "shared"), "--actor frozen trains only the writer: keep --writer shared")
         check(self.judge in ("heuristic", "local", "openai"), "--judge must be heuristic, local or openai")
         check(self.judge != "openai" or (self.judge_url and self.judge_api_model), "--judge openai needs --judge-url and --judge-api-model")
+        check(not self.swebench or self.env == "codebase", "--swebench evaluates codebase tasks: add --env codebase")
+        check(not self.swebench or os.path.isfile(self.swebench), f"--swebench {self.swebench!r}: no such file")
+        check(not self.swebench or os.path.isdir(self.swebench_repos),
+              "--swebench needs --swebench-repos DIR: the repositories' git checkouts (nothing is fetched)")
         check(self.warmstart_steps == 0 or self.env == "alchemy",
               "the warm start imitates the scripted Alchemy writer: use --warmstart-steps 0 with --env codebase")
 
@@ -223,6 +231,8 @@ def eval_streams(env, args: Args) -> list:
     world), the worlds taking turns; for codebase the benchmark's 19-issue stream (9 tablib, 10 tenacity)."""
     if args.env == "codebase":
         import codebase
+        if args.swebench:           # the rows in file order, one stream (a bad row is a one-line error)
+            return [codebase.load_swebench_jsonl(args.swebench, args.swebench_repos, env_name="codebase")]
         return [codebase.test_stream()]
     return curriculum.make_streams(env.tasks("test"), args.eval_streams, order="easy_to_hard",
                                    segment=args.eval_segment, seed=12345, tier=args.tier)
@@ -236,18 +246,24 @@ def evaluate(model, tokenizer, env, streams, args: Args, writer_model=None) -> d
     """Every held-out stream with memory and from scratch, decoded alike. Per stream: cumulative
     reward, from-scratch sum, gain. Greedy decoding (the default) needs one from-scratch attempt per
     task; at eval_temperature > 0 the from-scratch score of a task is the mean of eval_attempts."""
+    from tqdm import tqdm
     model.eval()
     kw = dict(temperature=args.eval_temperature, max_turns=args.max_turns, max_new_tokens=args.max_new_tokens)
-    with_mem = rollout.run_streams(model, tokenizer, env, streams, writer_model=writer_model,
-                                   memory_tokens=args.memory_tokens, traj_chars=args.traj_chars, seed=1, **kw)
-    flat = [t for s in streams for t in s]
-    scratch = [[] for _ in flat]
-    for a in range(args.eval_attempts if args.eval_temperature > 0 else 1):
-        # from scratch: every task with empty memory (the first task of a stream has none either,
-        # so under greedy decoding it gains 0 by construction)
-        eps = rollout.run_episodes(model, tokenizer, env, flat, memory="", seed=100 + a, **kw)
-        for i, ep in enumerate(eps):
-            scratch[i].append(ep.score)
+    attempts = args.eval_attempts if args.eval_temperature > 0 else 1
+    with tqdm(total=len(streams[0]) + attempts, desc=f"evaluate ({len(streams)} streams)", disable=not _is_main(),
+              leave=False) as bar:
+        with_mem = rollout.run_streams(model, tokenizer, env, streams, writer_model=writer_model,
+                                       memory_tokens=args.memory_tokens, traj_chars=args.traj_chars, seed=1,
+                                       on_task=lambda t: bar.update(1), **kw)
+        flat = [t for s in streams for t in s]
+        scratch = [[] for _ in flat]
+        for a in range(attempts):
+            # from scratch: every task with empty memory (the first task of a stream has none either,
+            # so under greedy decoding it gains 0 by construction)
+            eps = rollout.run_episodes(model, tokenizer, env, flat, memory="", seed=100 + a, **kw)
+            for i, ep in enumerate(eps):
+                scratch[i].append(ep.score)
+            bar.update(1)
     per_stream, i = [], 0
     for s, o in zip(streams, with_mem):
         m = rewards.stream_metrics(o.scores, scratch[i:i + len(s)])
@@ -517,6 +533,9 @@ def setup(args: Args) -> Run:
     torch.manual_seed(args.seed + d.rank)
     random.seed(args.seed + d.rank)
     model, tokenizer = load_model(args.model, args.seed)     # checked before anything is written
+    # the laptop preset plays one Alchemy trial per task (the paper's episodes are longer): short rows
+    env = envs.make(args.env, **({"num_trials": 1} if args.env == "alchemy" and args.preset == "laptop" else {}))
+    streams = eval_streams(env, args)
     os.makedirs(os.path.join(args.run_dir, "memories"), exist_ok=True)
     if d.is_main:
         with open(os.path.join(args.run_dir, "config.json"), "w") as f:
@@ -528,10 +547,8 @@ def setup(args: Args) -> Run:
     warm_dir = os.path.join(args.run_dir, "warmstart")
     if resuming and os.path.isdir(warm_dir):
         model = load(warm_dir)                              # the weights RL started from
-    # the laptop preset plays one Alchemy trial per task (the paper's episodes are longer): short rows
-    env = envs.make(args.env, **({"num_trials": 1} if args.env == "alchemy" and args.preset == "laptop" else {}))
     learner = Learner(model, ref_model=copy.deepcopy(model), **learner_settings(args, d))
-    run = Run(args, d, tokenizer, env, learner, judge=make_judge(args, tokenizer), streams=eval_streams(env, args),
+    run = Run(args, d, tokenizer, env, learner, judge=make_judge(args, tokenizer), streams=streams,
               state={"step": 0, "warm": None, "eval_before": None}, resuming=resuming)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()

@@ -10,7 +10,6 @@ leaves nothing behind, and the host and the other episodes lose nothing:
     with Sandbox(timeout=30.0) as sb:          # a fresh temporary workspace; Sandbox(workdir=p) reuses p
         r = sb.run("ls -la")                   # -> RunResult(exit_code, output, timed_out, truncated)
         sb.write_file("notes.md", "...")       # file tools refuse paths that resolve outside sb.workdir
-        snap = sb.snapshot(); sb.restore(snap) # for environment resets and memory files
     # close() ended every process the sandbox started and removed the temporary workspace
 
 How it works. Each sandbox starts one small helper process (this file, run as `--serve`, its
@@ -73,13 +72,12 @@ Semantics worth knowing:
   bin directory first, so `python` is the running interpreter), HOME (= the workspace),
   LANG=C.UTF-8 and the variables passed in `env`;
 - a timeout gives exit_code 124 (like coreutils `timeout`); death by signal N gives 128 + N;
-- the workspace directory itself is bind-mounted once: change what is inside it (or restore()),
+- the workspace directory itself is bind-mounted once: change what is inside it,
   never delete and recreate the directory while the sandbox is open.
 """
 
 import ctypes
 import functools
-import io
 import json
 import os
 import re
@@ -90,7 +88,6 @@ import signal
 import struct
 import subprocess
 import sys
-import tarfile
 import tempfile
 import threading
 import time
@@ -112,12 +109,6 @@ class RunResult:
     output: str        # stdout and stderr merged, capped (head + marker + tail)
     timed_out: bool
     truncated: bool    # True when output bytes beyond max_output were dropped from the middle
-
-
-@dataclass
-class Snapshot:
-    data: bytes        # an uncompressed tar of the whole workspace (symlinks kept as links)
-    num_entries: int   # files, directories and links in it
 
 
 # ----------------------------------------------------------------------------- probing the machine
@@ -459,32 +450,6 @@ class Sandbox:
         path = self._path(rel)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-
-    # ------------------------------------------------------------------------- snapshots
-
-    def snapshot(self) -> Snapshot:
-        """The whole workspace as an in-memory tar (fine for episode workspaces of a few MB)."""
-        buf = io.BytesIO()
-        with self._lock, tarfile.open(fileobj=buf, mode="w") as tar:
-            for child in sorted(self.workdir.iterdir()):
-                tar.add(child, arcname=child.name)   # recursive; symlinks are stored, never followed
-            num_entries = len(tar.getmembers())
-        return Snapshot(buf.getvalue(), num_entries)
-
-    def restore(self, snap: Snapshot) -> None:
-        """Make the workspace exactly what it was at snapshot(): extra files go, changed ones revert."""
-        assert isinstance(snap, Snapshot), f"restore() takes a Snapshot from snapshot(), got {type(snap).__name__}"
-        with self._lock:
-            for child in self.workdir.iterdir():
-                if child.is_dir() and not child.is_symlink():
-                    shutil.rmtree(child)
-                else:
-                    child.unlink()
-            with tarfile.open(fileobj=io.BytesIO(snap.data), mode="r") as tar:
-                # the "tar" filter (Python >= 3.11.4) refuses absolute and ../ member names; links to
-                # anywhere are restored as links, exactly as they were
-                kw = {"filter": "tar"} if hasattr(tarfile, "tar_filter") else {}
-                tar.extractall(self.workdir, **kw)
 
     # ------------------------------------------------------------------------- lifetime
 

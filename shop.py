@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from envs import BM25, MEMORY_DIR, ShellTaskEnv, Task, Workspace, tokenize
+from workspace import BM25, MEMORY_DIR, ShellTaskEnv, Task, Workspace, tokenize
 
 SIZES = ["xs", "s", "m", "l", "xl"]
 COLORS = ["black", "white", "blue", "red", "green", "grey", "navy", "beige", "pink", "yellow"]

@@ -14,6 +14,7 @@ import pytest
 import alchemy
 import bench
 import judge
+import speed
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -258,7 +259,7 @@ def test_api_agent_handles_a_context_overflow(server):
 def test_help_lists_the_speed_tables_and_metrics_are_json(tmp_path):
     r = subprocess.run([sys.executable, "bench.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60)
     for name in ("engine", "sandbox", "envs", "ppo", "camg"):
-        assert f"python bench.py {name}" in r.stdout
+        assert f"python speed.py {name}" in r.stdout
     import cli
     line = cli.dumps({"a": float("nan"), "b": [float("inf"), 1.5]})
     assert json.loads(line) == {"a": None, "b": [None, 1.5]} and "NaN" not in line
@@ -278,19 +279,30 @@ def test_scripted_end_to_end_subprocess(tmp_path):
 
 
 def test_component_subcommands_print_tables(capsys):
-    bench.main(["sandbox", "--n", "5", "--parallel", "2", "--per-thread", "2"])
-    bench.main(["envs", "--which", "alchemy", "--tasks", "3"])
+    speed.main(["sandbox", "--n", "5", "--parallel", "2", "--per-thread", "2"])
+    speed.main(["envs", "--which", "alchemy", "--tasks", "3"])
     out = capsys.readouterr().out
     assert "| latency of `true`, median of 5 (ms) |" in out and "| throughput, 2 threads x 2 (cmd/s) |" in out
     oracle = next(l for l in out.splitlines() if l.startswith("| oracle"))
     assert oracle.endswith("| 1.000 |"), "the oracle scores 1 on every task"
     with pytest.raises(SystemExit, match="--models"):
-        bench.main(["engine", "--models", "gpt2"])
+        speed.main(["engine", "--models", "gpt2"])
+
+
+def test_bench_hands_speed_benchmarks_to_speed_py():
+    # `python bench.py NAME` runs speed.py's benchmark as a program: same table, same error and exit status
+    r = subprocess.run([sys.executable, "bench.py", "sandbox", "--n", "3", "--parallel", "1", "--per-thread", "1"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "| latency of `true`, median of 3 (ms) |" in r.stdout, r.stderr[-2000:]
+    r = subprocess.run([sys.executable, "bench.py", "engine", "--models", "gpt2"], cwd=REPO, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode != 0 and r.stderr.strip().splitlines() == [
+        "speed.py engine: error: --models takes qwen3,qwen3_5,smollm2; need 1 <= --min-prompt <= --max-prompt"]
 
 
 def test_engine_bench_runs_with_breakdown(capsys):
     # the speed table and the breakdown on a tiny setting: same greedy tokens from both engines
-    bench.main(["engine", "--models", "qwen3", "--batch-sizes", "2", "--max-prompt", "40", "--new-tokens", "4",
+    speed.main(["engine", "--models", "qwen3", "--batch-sizes", "2", "--max-prompt", "40", "--new-tokens", "4",
                 "--breakdown", "--repeats", "2"])
     out = capsys.readouterr().out
     row = next(l for l in out.splitlines() if l.startswith("| qwen3 | 29M | 2 |"))

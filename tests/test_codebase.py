@@ -48,7 +48,7 @@ def test_task_data_and_streams():
         stream = curriculum.make_stream(train, order="easy_to_hard", segment=6, seed=0)
         assert len(stream) == 12 and {t.group for t in stream} == {repo}
     train_all = [t for t in ALL_TASKS if t.split == "train"]
-    for tier in curriculum.TIERS:   # DESIGN's tiers, with the two blocks from different repositories
+    for tier in curriculum.TIERS:   # RIME's tiers, with the two blocks from different repositories
         stream = curriculum.make_stream(train_all, segment=6, seed=0, tier=tier, same_group=False)
         assert len(stream) == 12, tier
     env = make("codebase")

@@ -318,7 +318,7 @@ def test_too_long_prompt():
 def test_tiny_tokenizer_offline():
     model, tok = M.tiny("qwen3_5")
     assert model.config.vocab_size == len(tok) and 500 <= len(tok) <= 2048
-    assert 5e5 <= model.num_params() <= 3e6
+    assert 5e5 <= sum(p.numel() for p in model.parameters()) <= 3e6
     text = "Paris <action>ls -la</action>\n### Lessons & Pitfalls\n- ünïcode ✓ 🙂"
     ids = tok.encode(text)
     assert tok.decode(ids) == text and len(ids) < len(text.encode())  # merges do compress

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rewards import (actor_advantages, cumulative_gain, cumulative_reward, gae, group_advantages,
-                     mean_reversion_corr, normalize_advantages, normalized_score, stream_metrics,
+                     mean_reversion_corr, normalized_score, stream_metrics,
                      writer_format_ok, writer_reward_gated, writer_rewards, writer_rewards_gated,
                      writer_windows)
 
@@ -55,7 +55,7 @@ def test_writer_window_edges_and_bad_k():
 
 
 def test_writer_window_matches_one_indexed_formula():
-    # DESIGN's 1-indexed form: R(M_k) = mean r[k+1..k+K] - mean r[k-K+1..k]
+    # RIME's 1-indexed form: R(M_k) = mean r[k+1..k+K] - mean r[k-K+1..k]
     rng = random.Random(0)
     for _ in range(50):
         n, K = rng.randint(1, 9), rng.randint(1, 5)
@@ -100,7 +100,7 @@ def test_writer_rewards_gated_stream():
 
 def test_mean_reversion_bias():
     # iid scores at K=1: delta = s[t+1] - s[t], past = s[t] -> corr = -1/sqrt(2) ~ -0.71,
-    # the bias DESIGN reports (-0.74) from pure noise
+    # the bias RIME's code reports (-0.74) from pure noise
     rng = random.Random(1)
     deltas, pasts = [], []
     for _ in range(400):
@@ -278,21 +278,6 @@ def test_gae_rejects_bad_input():
         gae(torch.zeros(3), torch.zeros(3), torch.ones(3))
 
 
-def test_normalize_advantages_masked():
-    adv = torch.tensor([[100.0, 1.0, 2.0, 3.0], [-50.0, 4.0, -7.0, 0.0]])
-    mask = torch.tensor([[0, 1, 1, 1], [0, 1, 0, 0]])
-    out = normalize_advantages(adv, mask)
-    sel = out[mask.bool()]
-    assert sel.mean().item() == pytest.approx(0.0, abs=1e-6)
-    assert sel.var(unbiased=False).item() == pytest.approx(1.0, abs=1e-5)
-    assert (out[~mask.bool()] == 0).all()
-    vals = torch.tensor([1.0, 2.0, 3.0, 4.0])        # the masked entries, whitened by hand
-    assert sel.tolist() == pytest.approx(((vals - 2.5) / vals.std(unbiased=False)).tolist(),
-                                         abs=1e-5)
-    with pytest.raises(AssertionError, match="no policy tokens"):
-        normalize_advantages(adv, torch.zeros_like(mask))
-
-
 # ---------------------------------------------------------------------------------------------
 # stream metrics
 
@@ -301,7 +286,7 @@ def test_cumulative_reward_and_gain():
     with_mem = [1.0, 0.5, 0.0, 1.0]
     assert cumulative_reward(with_mem) == 2.5
     assert cumulative_gain(with_mem, [0.5, 0.5, 0.5, 0.5]) == pytest.approx(0.5)
-    # several from-scratch attempts per task are averaged first (DESIGN: 4 attempts)
+    # several from-scratch attempts per task are averaged first (the benchmark: 4 attempts)
     scratch = [[1.0, 0.0, 0.0, 1.0], 0.25, [0.0], [1.0, 1.0]]
     assert cumulative_gain(with_mem, scratch) == pytest.approx(2.5 - (0.5 + 0.25 + 0.0 + 1.0))
     with pytest.raises(AssertionError, match="from-scratch"):

@@ -356,3 +356,17 @@ def test_protocol_warm_start_carries_no_task_knowledge():
         prev = m
     actions = [a for x in targets if "<action>" in x for a in x.split("<action>")[1:]]
     assert actions and all(alchemy.parse_action(a.split("</action>")[0]) for a in actions)
+
+
+def test_swebench_rows_reach_rime_with_a_clear_error(tmp_path):
+    """--env codebase --swebench FILE evaluates SWE-bench JSONL rows; a row without the fields (or a
+    repository that is not available offline) stops the run with one line, before anything is written."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"instance_id": "x__y-1", "repo": "x/y"}) + "\n")
+    (tmp_path / "repos").mkdir()
+    p = subprocess.run([sys.executable, "rime.py", "--model", "tiny", "--env", "codebase", "--swebench", str(rows),
+                        "--swebench-repos", str(tmp_path / "repos"), "--run-dir", str(tmp_path / "r")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.strip().splitlines()[-1].startswith("rime.py: error: ") and "row lacks" in p.stderr
+    assert not (tmp_path / "r").exists()

@@ -1,0 +1,281 @@
+"""The foundation the environments stand on (envs.py is the menu that builds them).
+
+- `Task`: one task of any environment (its id, group, split, difficulty and payload).
+- the memory folder `.agent_memory/` of a shell workspace: `read_memory` / `write_memory` and
+  `read_workspace_file`, which read and replace it from the host without following a link the
+  agent planted;
+- `Workspace`: the shell workspace of one env instance, a sandbox whose `.agent_memory/` survives
+  `clear()`, with the agent's view of a command (`shell`);
+- `ShellTaskEnv`: the step loop that Shop, DeepResearch and AutoResearch share;
+- `BM25` and `tokenize`: the search of the two text environments (Shop, DeepResearch).
+
+The contract these serve is in envs.py's docstring.
+"""
+
+import math
+import os
+import re
+import shutil
+import stat
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+MEMORY_DIR = ".agent_memory"
+
+
+@dataclass
+class Task:
+    id: str                 # unique across the environment, e.g. "alchemy/w03/t05"
+    env: str                # the name make() takes
+    difficulty: int         # 0 = easiest; larger is harder (each env documents its scale)
+    group: str              # what transfers inside a stream: an Alchemy world, a repository, a shopper
+    split: str              # "train" | "test"
+    data: dict = field(default_factory=dict)  # env-specific payload; JSON-serialisable
+
+
+ECHO_CHARS = 500                # how much of a command Workspace.shell echoes back
+MEMORY_FILE_BYTES = 64 << 10    # a memory file is read up to this size (the rest is dropped)
+MEMORY_TOTAL_BYTES = 256 << 10  # and the whole folder up to this
+
+
+def _open_in(dir_fd: int, name: str, flags: int) -> int:
+    """openat() that refuses a symlink as the last component (dir_fd itself was opened the same way)."""
+    return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+
+
+def read_workspace_file(workdir, rel: str, max_bytes: int) -> str | None:
+    """A regular file of a workspace, read by the host safely: no symlink on the way is followed
+    and nothing but a regular file is read (not a FIFO, not /proc/self/environ through a link);
+    at most max_bytes. None when there is no such regular file."""
+    fd = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)   # the workspace itself is the host's
+    try:
+        *dirs, name = rel.split("/")
+        for d in dirs:
+            fd, parent = _open_in(fd, d, os.O_RDONLY | os.O_DIRECTORY), fd
+            os.close(parent)
+        fd, parent = _open_in(fd, name, os.O_RDONLY | os.O_NONBLOCK), fd   # NONBLOCK: a FIFO must not hang us
+        os.close(parent)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return os.read(fd, max_bytes).decode(errors="replace")
+    except OSError:   # missing, a symlink (ELOOP), not a directory on the way
+        return None
+    finally:
+        os.close(fd)
+
+
+def read_memory(workdir) -> dict:
+    """The memory folder of a workspace as {path relative to .agent_memory/: text}. Only regular
+    files and real directories count (symlinks and anything else are skipped, never followed);
+    each file is read up to MEMORY_FILE_BYTES and the folder up to MEMORY_TOTAL_BYTES."""
+    files, budget = {}, [MEMORY_TOTAL_BYTES]
+
+    def walk(dir_fd: int, prefix: str) -> None:
+        with os.scandir(dir_fd) as it:
+            entries = sorted(it, key=lambda e: e.name)
+        for e in entries:
+            if budget[0] <= 0:
+                return
+            try:
+                if e.is_dir(follow_symlinks=False):
+                    fd = _open_in(dir_fd, e.name, os.O_RDONLY | os.O_DIRECTORY)
+                    try:
+                        walk(fd, f"{prefix}{e.name}/")
+                    finally:
+                        os.close(fd)
+                elif e.is_file(follow_symlinks=False):
+                    fd = _open_in(dir_fd, e.name, os.O_RDONLY | os.O_NONBLOCK)
+                    try:
+                        if stat.S_ISREG(os.fstat(fd).st_mode):   # still the regular file scandir saw
+                            data = os.read(fd, min(MEMORY_FILE_BYTES, budget[0]))
+                            budget[0] -= len(data)
+                            files[prefix + e.name] = data.decode(errors="replace")
+                    finally:
+                        os.close(fd)
+            except OSError:   # swapped for a link, removed, unreadable: skipped
+                continue
+
+    try:
+        root = os.open(workdir / MEMORY_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:   # missing, or a symlink to somewhere else: no memory
+        return {}
+    try:
+        walk(root, "")
+    finally:
+        os.close(root)
+    return files
+
+
+def write_memory(workdir, files: dict) -> None:
+    """Replace the memory folder's contents (ablations: blank it, or give it another task's files).
+    Whatever the agent left at .agent_memory (a symlink to a host directory included) is removed,
+    never followed."""
+    mem = workdir / MEMORY_DIR
+    if mem.is_symlink() or (mem.exists() and not mem.is_dir()):
+        mem.unlink()
+    elif mem.exists():
+        shutil.rmtree(mem)   # does not follow symlinks inside
+    mem.mkdir()
+    for rel, text in files.items():
+        path = (mem / rel).resolve()
+        assert path.is_relative_to(mem.resolve()), f"memory file {rel!r} escapes {MEMORY_DIR}/"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+class Workspace:
+    """The shell workspace of one env instance: a sandbox whose `.agent_memory/` survives `clear()`.
+
+    The sandbox starts on the first use of `workdir` (listing tasks needs no shell). `shell(cmd)`
+    gives the agent's view of a command: `$ cmd` (its first ECHO_CHARS characters), its output capped at `obs_chars` (the head, or the
+    head and tail halves if `keep_tail`), then `(exit N)` or `(timed out)` (`(timed out after Ns)` if
+    `say_timeout`)."""
+
+    def __init__(self, timeout: float, obs_chars: int = 2000, keep_tail: bool = False, say_timeout: bool = False):
+        self.timeout, self.obs_chars, self.keep_tail, self.say_timeout = timeout, obs_chars, keep_tail, say_timeout
+        self.sandbox = None
+
+    @property
+    def workdir(self):
+        if self.sandbox is None:
+            from sandbox import Sandbox  # imported late: building tasks needs no shell
+            self.sandbox = Sandbox(timeout=self.timeout)
+            (self.sandbox.workdir / MEMORY_DIR).mkdir(exist_ok=True)
+        return self.sandbox.workdir
+
+    def memory_files(self) -> dict:
+        return read_memory(self.workdir)
+
+    def set_memory_files(self, files: dict) -> None:
+        write_memory(self.workdir, files)
+
+    def clear(self) -> None:
+        """Delete everything but the memory folder: a fresh workspace for the next task."""
+        workdir = self.workdir
+        for p in workdir.iterdir():   # a .agent_memory that is not a real directory (a link) goes too
+            if p.name != MEMORY_DIR or p.is_symlink() or not p.is_dir():
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        (workdir / MEMORY_DIR).mkdir(exist_ok=True)
+
+    def shell(self, command: str) -> str:
+        from sandbox import sanitize
+        self.workdir  # starts the sandbox if this is the first use
+        r = self.sandbox.run(command)   # its output is sanitised; a NUL or over-long command gets an explanation
+        out, n = r.output, self.obs_chars
+        if len(out) > n and self.keep_tail:  # a program's last lines (its score, its error) matter too
+            out = out[:n // 2] + "\n...[truncated]...\n" + out[-(n // 2):]
+        elif len(out) > n:
+            out = out[:n] + "\n...[truncated]"
+        if r.timed_out:
+            status = f"timed out after {self.timeout:.0f}s" if self.say_timeout else "timed out"
+        else:
+            status = f"exit {r.exit_code}"
+        shown = command if len(command) <= ECHO_CHARS else f"{command[:ECHO_CHARS]}... [{len(command):,} characters]"
+        return f"$ {sanitize(shown)}\n{out.rstrip()}\n({status})"
+
+    def close(self) -> None:
+        if self.sandbox is not None:
+            self.sandbox.close()
+            self.sandbox = None
+
+
+class ShellTaskEnv:
+    """The episode loop CAMG's Shop, DeepResearch and AutoResearch share. Each step is either
+    `shell: <command>` (run in the task's Workspace) or one of the env's own actions, handled by its
+    `_act(action)`, which returns an observation, or (observation, reward) for the action that ends the
+    task (buy, answer, evaluate). The episode also ends after max_steps actions.
+    A subclass sets self.task, self.done, self.steps and self.info (with num_shell and num_invalid) in
+    reset(), and names its action forms (VALID_FORMS) and what running out means (OUT_OF_ACTIONS); its
+    constructor sets self.config (its arguments, for clone), self._tasks and self.workspace."""
+    VALID_FORMS = "Valid actions: shell: <command>"
+    OUT_OF_ACTIONS = "nothing submitted"
+
+    def tasks(self, split: str) -> list[Task]:
+        assert split in self._tasks, f"split must be 'train' or 'test', got {split!r}"
+        return list(self._tasks[split])
+
+    def clone(self):
+        return type(self)(**self.config)   # same configuration; worlds and catalogues are cached
+
+    # --- the workspace: files are the memory (the logic lives in Workspace)
+
+    @property
+    def workdir(self):
+        return self.workspace.workdir
+
+    def memory_files(self) -> dict:
+        return self.workspace.memory_files()
+
+    def set_memory_files(self, files: dict) -> None:
+        self.workspace.set_memory_files(files)
+
+    def close(self):
+        self.workspace.close()
+
+    # --- the episode
+
+    def step(self, action: str):
+        assert self.task is not None, "call reset(task) before step()"
+        if self.done:
+            return "The episode is over; call reset().", 0.0, True
+        self.steps += 1
+        self.info["steps"] = self.steps
+        action = (action or "").strip()
+        shell = re.match(r"(?:shell|shell_command)\s*:\s*(.*)$", action, re.S | re.I)
+        obs, reward = self._shell(shell.group(1).strip()) if shell else self._act(action), 0.0
+        if isinstance(obs, tuple):  # the task's last action: (observation, reward)
+            obs, reward = obs
+            self.done = True
+        if not self.done and self.steps >= self.max_steps:
+            self.done = True
+            obs += f"\nOut of actions ({self.max_steps}); {self.OUT_OF_ACTIONS}, reward 0."
+        return obs, reward, self.done
+
+    def _shell(self, command: str) -> str:
+        if not command:
+            return self._invalid("Empty shell command.")
+        self.info["num_shell"] += 1
+        return self.workspace.shell(command)
+
+    def _invalid(self, why: str) -> str:
+        self.info["num_invalid"] += 1
+        return f"{why}\n{self.VALID_FORMS}"
+
+    def _act(self, action: str):
+        raise NotImplementedError
+
+
+# --- search for the text environments: Okapi BM25 with an inverted index of numpy arrays
+
+def tokenize(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
+class BM25:
+    def __init__(self, docs: list[str], k1: float = 1.5, b: float = 0.75):
+        toks = [tokenize(d) for d in docs]
+        lengths = np.array([len(t) for t in toks], dtype=np.float64)       # [N]
+        norm = k1 * (1 - b + b * lengths / max(lengths.mean(), 1.0))        # [N] length penalty
+        postings: dict[str, list] = {}
+        for i, t in enumerate(toks):
+            for term, tf in Counter(t).items():
+                postings.setdefault(term, []).append((i, tf))
+        self.num_docs = len(docs)
+        self.index = {}  # term -> (doc ids [n], per-doc weight [n]); query time is one add per term
+        for term, pl in postings.items():
+            ids = np.array([p[0] for p in pl])
+            tf = np.array([p[1] for p in pl], dtype=np.float64)
+            idf = math.log(1 + (self.num_docs - len(ids) + 0.5) / (len(ids) + 0.5))
+            self.index[term] = (ids, idf * tf * (k1 + 1) / (tf + norm[ids]))
+
+    def search(self, query: str, k: int) -> list[int]:
+        """The ids of the k best documents with any query term, best first (ties: document order)."""
+        scores = np.zeros(self.num_docs)
+        for term in set(tokenize(query)):
+            if term in self.index:
+                ids, w = self.index[term]
+                scores[ids] += w
+        hits = np.flatnonzero(scores > 0)
+        return hits[np.argsort(-scores[hits], kind="stable")][:k].tolist()
