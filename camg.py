@@ -238,7 +238,7 @@ class Sample:
     success: float
     finish: str                     # "done" | "turns" | "error"
     error: str = ""                 # why it failed (environment raised, rollout crashed, ...); "" = fine
-    rows: list = field(default_factory=list)   # (tokens, loss_mask, logprobs), one per context
+    rows: list = field(default_factory=list)   # (tokens, loss_mask, logprobs, sampling temperature), one per context
     num_turns: int = 0
     num_resets: int = 0
     gen_tokens: int = 0
@@ -358,7 +358,7 @@ def to_samples(episodes, names, version: int, worker: int, batch_s: float) -> li
         out.append(Sample(env=name, task_id=ep.task.id, version=version, worker=worker, score=float(ep.score),
                           success=0.0 if ep.error else float(ep.info.get("success", 0.0)), finish=ep.finish,
                           error=ep.error, rows=rows, num_turns=ep.num_turns, num_resets=ep.num_resets,
-                          gen_tokens=sum(sum(m) for _, m, _ in rows), gen_s=batch_s / max(len(episodes), 1)))
+                          gen_tokens=sum(sum(r[1]) for r in rows), gen_s=batch_s / max(len(episodes), 1)))
     return out
 
 

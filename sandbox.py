@@ -15,7 +15,7 @@ leaves nothing behind, and the host and the other episodes lose nothing:
 How it works. Each sandbox starts one small helper process (this file, run as `--serve`, its
 config on stdin) and sends it commands over a pipe; the helper runs `bash -c CMD` for each one and
 replies with the result. Starting the helper once keeps a command's cost close to a bare
-`subprocess.run` (see `python bench.py sandbox`): all the expensive set-up happens once per sandbox.
+`subprocess.run` (see `python speed.py sandbox`): all the expensive set-up happens once per sandbox.
 
 What a command gets, in isolation "namespace" (root) or "userns" (an ordinary user, in an
 unprivileged user namespace):

@@ -52,12 +52,19 @@ def test_table_marks_published_rows_and_failures():
     assert bench.sparkline([0, 1, 2], 2) == "▁▄█"
 
 
-def test_bad_config_gets_a_clear_error(tmp_path):
+def _one_line_error(capsys, fn, msg):
+    """fn() stops with the entry points' one error style: exit 2 and `prog: error: ...msg...` on stderr."""
+    with pytest.raises(SystemExit) as e:
+        fn()
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and ": error: " in err and msg in err and "Traceback" not in err, err
+
+
+def test_bad_config_gets_a_clear_error(tmp_path, capsys):
     for argv, msg in ((["--streams", "nope"], "unknown stream"), (["--attempts", "0"], "--attempts"),
                       (["--policy", str(tmp_path / "none")], "checkpoint dir"), (["--threads", "-1"], "--threads"),
                       (["--temperature", "nan"], "--temperature must be a number"), (["--api", "http://x"], "go together")):
-        with pytest.raises(SystemExit, match=msg):
-            bench.main(argv)
+        _one_line_error(capsys, lambda: bench.main(argv), msg)
 
 
 # ----------------------------------------------------------------------------- resume
@@ -285,8 +292,7 @@ def test_component_subcommands_print_tables(capsys):
     assert "| latency of `true`, median of 5 (ms) |" in out and "| throughput, 2 threads x 2 (cmd/s) |" in out
     oracle = next(l for l in out.splitlines() if l.startswith("| oracle"))
     assert oracle.endswith("| 1.000 |"), "the oracle scores 1 on every task"
-    with pytest.raises(SystemExit, match="--models"):
-        speed.main(["engine", "--models", "gpt2"])
+    _one_line_error(capsys, lambda: speed.main(["engine", "--models", "gpt2"]), "--models")
 
 
 def test_bench_hands_speed_benchmarks_to_speed_py():
@@ -328,5 +334,4 @@ def test_ablations_table_trains_resumes_and_reports(tmp_path, capsys):
     logs = {p: p.stat().st_size for p in tmp_path.rglob("seed0.log")}
     bench.main(argv)
     assert {p: p.stat().st_size for p in tmp_path.rglob("seed0.log")} == logs, "finished runs are not rerun"
-    with pytest.raises(SystemExit, match="--only names none"):
-        bench.main(["ablations", "--only", "nothing"])
+    _one_line_error(capsys, lambda: bench.main(["ablations", "--only", "nothing"]), "--only names none")

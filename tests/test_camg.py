@@ -345,3 +345,17 @@ def test_memory_modes_and_evaluation_ablations(tmp_path, actions_always):
     assert seen["continuation"][0] == {"CONTINUATION.md": "continue shop/g0/t0"}
     text = camg.table2([("this run", res)])
     assert "| this run | 100.0 (n=4) | — | — | — | 100.0 |" in text and text.count("reported by the paper") == 6
+
+
+def test_worker_samples_carry_their_temperature():
+    """Rows leave the worker as (tokens, loss_mask, logprobs, temperature) and the learner's batch
+    scores them at that temperature (a rollout crash here once failed every episode)."""
+    from rollout import Episode
+    ep = Episode(task=Task("t", "shop", 0, "g", "train"), tokens=[1, 2, 3], loss_mask=[0, 1, 1],
+                 logprobs=[0.0, -1.0, -1.0], temperature=0.7, score=0.5)
+    (s,) = camg.to_samples([ep], ["shop"], version=0, worker=0, batch_s=1.0)
+    assert s.error == "" and s.rows == [([1, 2, 3], [0, 1, 1], [0.0, -1.0, -1.0], 0.7)] and s.gen_tokens == 2
+    model, _ = camg.build_model("tiny", "cpu", 0)
+    learner = Learner(model, value_head=True, gradient_checkpointing=False)
+    batch = camg.build_batch([s], learner, gamma=1.0, lam=1.0)
+    assert batch.temperatures.tolist() == pytest.approx([0.7])
