@@ -213,7 +213,7 @@ def test_staleness_bound_drops_old_and_corrects_admissible(tmp_path, actions_alw
     assert {s.worker for s in batch_samples} == {2} and {s.version for s in batch_samples} == {1}
     assert [u for w, v, u in logged if w == 1] == ["stale", "stale"], "version-0 episodes must be dropped"
     batch = camg.build_batch(batch_samples, learner, 1.0, 1.0)
-    rows = [lp for s in batch_samples for _, m, lp in s.rows if any(m)]
+    rows = [lp for s in batch_samples for _, m, lp, _ in s.rows if any(m)]
     for b, lp in enumerate(rows):                            # the worker's behaviour logprobs, untouched
         assert torch.allclose(batch.behav_logprobs[b, :len(lp)], torch.tensor(lp))
     prox = learner.logprobs_of(batch)
