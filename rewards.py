@@ -97,15 +97,20 @@ class WriterReward:
     format_reasons: list = field(default_factory=list)  # why the check failed (empty if ok)
 
 
-def writer_rewards_gated(scores, k, memories, old_memories, prompt_text=None, bonus=0.1):
+def writer_rewards_gated(scores, k, memories, old_memories, prompt_text=None, bonus=0.1, statuses=None):
     """Everything for one stream at once: memories[t] is M_t (written after task t) and
-    old_memories[t] the memory the writer was given (M_{t−1}; "" at the start)."""
+    old_memories[t] the memory the writer was given (M_{t−1}; "" at the start). statuses[t], if
+    given, is the writer's reply status (rollout.WriterSample.status): a reply that was cut at the
+    memory cap ("truncated") or empty fails the gate whatever the text it left."""
     assert len(memories) == len(scores) == len(old_memories), (
         f"one memory per task: got {len(scores)} scores, {len(memories)} memories, "
         f"{len(old_memories)} old memories")
+    statuses = statuses or ["ok"] * len(scores)
     out = []
-    for w, mem, old in zip(writer_windows(scores, k), memories, old_memories):
+    for w, mem, old, status in zip(writer_windows(scores, k), memories, old_memories, statuses):
         ok, reasons = writer_format_ok(mem, old, prompt_text)
+        if status != "ok":
+            ok, reasons = False, list(reasons) + [f"the reply was {status}"]
         out.append(WriterReward(
             reward=writer_reward_gated(w.delta, ok, bonus) if w.trainable else 0.0,
             delta=w.delta, format_bonus=bonus if ok else 0.0, ok=ok, past_mean=w.past_mean,

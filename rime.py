@@ -122,7 +122,7 @@ class Args:
             self.warmstart_steps = 150 if (self.model != "tiny" and self.env == "alchemy") else 0
         if self.model == "tiny":         # the smoke run: the whole pipeline, minimal sizes
             for name, value in dict(streams_per_step=1, group_size=2, segment=1, max_turns=6,
-                                    max_new_tokens=16, memory_tokens=48, eval_attempts=1).items():
+                                    max_new_tokens=16, memory_tokens=48, eval_attempts=1, eval_streams=2).items():
                 if getattr(self, name) == getattr(Args, name):
                     setattr(self, name, value)
         if self.preset == "paper":
@@ -449,7 +449,7 @@ def rl_rows(outs, groups_of, args: Args, writer_prompt_text: str):
     w_rewards, w_groups, w_items, deltas, pasts, oks = [], [], [], [], [], []
     for c, o in enumerate(outs):
         wr = rewards.writer_rewards_gated(o.scores, args.k, [w.memory for w in o.writes], o.memories,
-                                          prompt_text=writer_prompt_text)
+                                          prompt_text=writer_prompt_text, statuses=[w.status for w in o.writes])
         for t, r in enumerate(wr):
             oks.append(float(r.ok))
             if not r.trainable:

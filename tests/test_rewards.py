@@ -317,3 +317,17 @@ def test_mean_ci95():
     assert math.isnan(mean_ci95([])[0])
     big = mean_ci95([float(i % 2) for i in range(100)])     # beyond the table: the normal's 1.96
     assert big[2] - big[0] == pytest.approx(1.96 * 0.50252 / 10, rel=1e-3)
+
+
+def test_truncated_or_empty_writer_reply_fails_the_gate():
+    """A memory cut at the cap passes the text checks but must fail the gate (rollout.write_memory's
+    promise), and an empty reply too."""
+    from rewards import writer_rewards_gated
+    good = "### Repository Knowledge\n- a\n- b\n\n### Lessons & Pitfalls\n- c\n- d"
+    scores, olds = [0.0, 1.0, 1.0], ["", good + "x", good + "y"]
+    mems = [good, good + "z", good + "w"]
+    plain = writer_rewards_gated(scores, 1, mems, olds)
+    assert [r.ok for r in plain] == [True, True, True]
+    cut = writer_rewards_gated(scores, 1, mems, olds, statuses=["truncated", "ok", "empty"])
+    assert [r.ok for r in cut] == [False, True, False] and cut[0].reward == 0.0
+    assert "the reply was truncated" in cut[0].format_reasons
