@@ -23,9 +23,11 @@ The rules, the same in rime.py, camg.py and bench.py:
 
 import argparse
 import dataclasses
+import inspect
 import json
 import math
 import os
+import re
 import sys
 
 
@@ -77,12 +79,23 @@ def legacy_spellings(argv: list, fields: dict) -> list:
     return out
 
 
+def _field_comments(cls) -> dict:
+    """The trailing `# comment` of each `name: type = default` line of a dataclass: its help text."""
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return {}
+    found = (re.match(r"\s+(\w+)\s*:[^=]*=[^#]*#\s*(.*)$", line) for line in source.splitlines())
+    return {m.group(1): m.group(2).strip() for m in found if m}
+
+
 def parser_for(cls, prog: str, description: str = "") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=description,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    comments = _field_comments(cls)
     for f in dataclasses.fields(cls):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        helptext = f.metadata.get("help", "")
+        helptext = f.metadata.get("help", comments.get(f.name, "")).replace("%", "%%")
         if isinstance(default, bool) and default and not f.name.startswith("no_"):
             p.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, default=True, help=helptext)
         elif isinstance(default, bool):

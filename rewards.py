@@ -1,7 +1,7 @@
 """Rewards: the writer's windowed reward, the actor's advantage with the exploration bonus,
 critic-free group advantages, GAE over masked token sequences, and the stream metrics.
 
-RIME (the README's "RIME" section) trains one model in two roles on a *stream* of
+RIME (see the README) trains one model in two roles on a *stream* of
 tasks. After task t the **writer** rewrites the memory M_t that the actor will read on task t+1.
 The writer is paid for the improvement its notes bring downstream, not for their length:
 

@@ -1,5 +1,5 @@
 """RIME: one model, shared weights, two roles, trained by RL so that its memory makes later tasks
-of a stream go better (RIME, Section 3; the README's "RIME" section).
+of a stream go better (RIME, Section 3; the README's overview).
 
     python rime.py                                   # laptop: warm start + RL on Symbolic Alchemy (2 CPU cores)
     python rime.py --model tiny --steps 2            # smoke run (< 1 min)
