@@ -54,7 +54,7 @@ import signal
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
