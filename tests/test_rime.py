@@ -228,6 +228,7 @@ def test_ablation_switches_change_what_they_say():
             ep.score = 0.1 * (c + 1) * (t + 1)   # differs across the group at every position and window
         for w in o.writes:   # well-formed, distinct memories pass the format gate
             w.memory = f"### Repository Knowledge\n- fact {c}\n- fact two\n\n### Lessons & Pitfalls\n- l {w.raw[:3]!r}\n- m"
+            w.status = "ok"      # a complete reply (the tiny model's own replies hit the memory cap)
     actor2, writer2, parts2 = rime.rl_rows(outs, groups_of, args2, rollout.WRITER_SYSTEM)
     # shared writer: trainable memories (all but each stream's last) give writer rows
     assert parts2["writer_rows"] > 0 and len(writer2) == parts2["writer_rows"]
