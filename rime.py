@@ -56,7 +56,7 @@ import envs
 import judge as judges
 import rewards
 import rollout
-from model import load, load_tokenizer, save, tiny
+from model import load, load_named, save, tiny
 from ppo import Learner, checkpoint_path, init_distributed, make_batch, print0, teardown_distributed
 
 # -----------------------------------------------------------------------------
@@ -179,8 +179,7 @@ def parse_args(argv=None) -> Args:
 
 
 def load_model(name: str, seed: int):
-    if name == "tiny":      # the embedded test model: random weights, for smoke runs
-        return tiny("qwen3_5", seed=seed, max_seq_len=8192)
+    """model.load_named, plus RIME's laptop model "small"."""
     if name == "small":     # big enough to learn the Alchemy protocol by imitation in minutes on 2 cores;
         # Qwen3 rather than Qwen3.5: the DeltaNet's chunked rule in plain PyTorch trains ~2.3x slower on CPU.
         # Its BPE also learns merges from Alchemy text, so an observation takes ~half the tokens.
@@ -188,7 +187,7 @@ def load_model(name: str, seed: int):
         tok = build_tokenizer(2048, extra_text=_domain_text())
         return tiny("qwen3", seed=seed, tokenizer=tok, hidden_size=192, num_layers=4, intermediate_size=512,
                     max_seq_len=8192)
-    return load(name), load_tokenizer(name)
+    return load_named(name, seed, max_seq_len=8192)
 
 
 def _domain_text() -> str:
@@ -652,6 +651,10 @@ def evaluate_phase(run: Run, step: int, final: bool = False) -> dict:
     return ev
 
 
+RL_HEALTH = (("score", "score", ".3f"), ("explore", "explore", ".2f"), ("wr", "writer_reward", ".3f"),
+             ("ok", "writer_format_ok", ".2f"), ("kl", "approx_kl", ".4f"), ("s", "step_s", ".0f"))
+
+
 def main(argv=None) -> Run:
     args = parse_args(argv)
     try:
@@ -668,8 +671,7 @@ def main(argv=None) -> Run:
                initial=run.state["step"], total=args.steps)
     for step in bar:
         row = rl_step(run, step)
-        bar.set_postfix(score=f"{row['score']:.3f}", wr=f"{row['writer_reward']:.3f}",
-                        kl=f"{row.get('approx_kl', 0):.4f}")
+        bar.set_postfix_str(cli.health_line(row, RL_HEALTH))
         run.state["step"] = step + 1
         if args.eval_every and run.state["step"] % args.eval_every == 0 and run.d.is_main:
             evaluate_phase(run, run.state["step"])
