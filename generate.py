@@ -158,7 +158,7 @@ def prefill(model, prompts: list[list[int]], cache_len: int, token_budget: int, 
 
 
 # ----------------------------------------------------------------------------------------------
-# generate
+# generate: check, prefill every prompt, then decode all rows together until each has finished
 
 
 @torch.inference_mode()
@@ -209,29 +209,11 @@ def generate(
             seed = int(torch.randint(0, 2**62, (1,)).item())
         generator = torch.Generator(device=device).manual_seed(seed)
 
-        # --- prefill: shortest prompts first, so each micro-batch holds prompts of similar length;
-        # prompts continuing a saved prefix only prefill their new tokens
-        need = max(len(p) + m for p, m in zip(prompts, max_new))   # the longest any row can grow
-        # one slot count for the whole batch (rows are concatenated): at least what any row needs and
-        # any saved cache holds, rounded up to 256 so a growing conversation rarely reallocates
-        saved = max((pf.cache.max_seq_len for pf in prefixes if pf is not None), default=0)
-        cache_len = max(cache_len or 0, saved, -(-need // 256) * 256)
-        fresh = sorted((i for i in range(len(prompts)) if prefixes[i] is None), key=lambda i: len(prompts[i]))
-        cont = sorted((i for i in range(len(prompts)) if prefixes[i] is not None),
-                      key=lambda i: len(prompts[i]) - prefixes[i].num_tokens)
-        parts = []
-        if fresh:
-            parts.append(prefill(model, [list(prompts[i]) for i in fresh], cache_len, prefill_token_budget, device))
-        if cont:
-            parts.append(prefill(model, [list(prompts[i][prefixes[i].num_tokens:]) for i in cont], cache_len,
-                                 prefill_token_budget, device, prefixes=[prefixes[i] for i in cont]))
-        order = fresh + cont
-        cache = parts[0][0] if len(parts) == 1 else type(parts[0][0]).cat([p[0] for p in parts])
-        logits = torch.cat([p[1] for p in parts], dim=0)
+        cache, logits, live = _prefill_all(model, prompts, prefixes, max_new, cache_len, prefill_token_budget,
+                                           device)
 
-        # --- decode: all live rows advance together, so they share the count of generated tokens
+        # decode: all live rows advance together, so they share the count of generated tokens
         outs = [Completion() for _ in prompts]
-        live = order                             # prompt index of each cache row
         num_generated = 0
         pending_tokens, pending_logprobs = [], []  # (B_live,) device tensors not yet read on the host
         while True:
@@ -242,25 +224,9 @@ def generate(
             # forced read-back on the step where the first live row reaches its length limit, so no row
             # ever writes past its slot in the cache
             if len(pending_tokens) == sync_every or num_generated == min(max_new[i] for i in live):
-                block_tokens = torch.stack(pending_tokens, dim=1).tolist()  # (B, k) host sync
-                block_logprobs = torch.stack(pending_logprobs, dim=1).tolist()
+                keep = _finish_rows(outs, live, pending_tokens, pending_logprobs, prompts, max_new, stop,
+                                    cache if keep_prefix else None)
                 pending_tokens, pending_logprobs = [], []
-                keep = []
-                for row, i in enumerate(live):
-                    out, done = outs[i], False
-                    for t, lp in zip(block_tokens[row], block_logprobs[row]):
-                        out.tokens.append(t)
-                        out.logprobs.append(lp)
-                        if t in stop:
-                            out.finish_reason, done = "stop", True
-                            break  # tokens sampled after the stop token (sync_every > 1) are discarded
-                        if len(out.tokens) == max_new[i]:
-                            out.finish_reason, done = "length", True
-                            break
-                    if not done:
-                        keep.append(row)
-                    elif keep_prefix:   # the cache holds prompt + tokens[:-1]: the last token was never fed
-                        out.prefix = Prefix(cache.take([row]), len(prompts[i]) + len(out.tokens) - 1)
                 if not keep:
                     break
                 if len(keep) < len(live):  # drop finished rows from the batch and the cache
@@ -270,3 +236,52 @@ def generate(
                     live = [live[row] for row in keep]
             logits = model(tokens[:, None], cache=cache)[:, -1].float()  # (B, V)
         return outs
+
+
+def _prefill_all(model, prompts, prefixes, max_new, cache_len, token_budget, device):
+    """Prefill every prompt into one cache: fresh prompts shortest first, so each micro-batch holds
+    prompts of similar length, then those continuing a saved prefix, which prefill only their new
+    tokens. Returns (cache, logits at each row's last prompt token (B, V), the prompt index of each
+    cache row)."""
+    need = max(len(p) + m for p, m in zip(prompts, max_new))   # the longest any row can grow
+    # one slot count for the whole batch (rows are concatenated): at least what any row needs and
+    # any saved cache holds, rounded up to 256 so a growing conversation rarely reallocates
+    saved = max((pf.cache.max_seq_len for pf in prefixes if pf is not None), default=0)
+    cache_len = max(cache_len or 0, saved, -(-need // 256) * 256)
+    fresh = sorted((i for i in range(len(prompts)) if prefixes[i] is None), key=lambda i: len(prompts[i]))
+    cont = sorted((i for i in range(len(prompts)) if prefixes[i] is not None),
+                  key=lambda i: len(prompts[i]) - prefixes[i].num_tokens)
+    parts = []
+    if fresh:
+        parts.append(prefill(model, [list(prompts[i]) for i in fresh], cache_len, token_budget, device))
+    if cont:
+        parts.append(prefill(model, [list(prompts[i][prefixes[i].num_tokens:]) for i in cont], cache_len,
+                             token_budget, device, prefixes=[prefixes[i] for i in cont]))
+    cache = parts[0][0] if len(parts) == 1 else type(parts[0][0]).cat([p[0] for p in parts])
+    return cache, torch.cat([p[1] for p in parts], dim=0), fresh + cont
+
+
+def _finish_rows(outs, live, pending_tokens, pending_logprobs, prompts, max_new, stop, cache=None) -> list[int]:
+    """Read the pending decode steps back to the host (one sync) and append them to each live row's
+    Completion, up to its stop token or its length limit. live: the prompt index of each cache row.
+    cache: given (keep_prefix), a finished row keeps a copy of its state in Completion.prefix.
+    Returns the cache rows that go on decoding."""
+    block_tokens = torch.stack(pending_tokens, dim=1).tolist()  # (B, k) host sync
+    block_logprobs = torch.stack(pending_logprobs, dim=1).tolist()
+    keep = []
+    for row, i in enumerate(live):
+        out, done = outs[i], False
+        for t, lp in zip(block_tokens[row], block_logprobs[row]):
+            out.tokens.append(t)
+            out.logprobs.append(lp)
+            if t in stop:
+                out.finish_reason, done = "stop", True
+                break  # tokens sampled after the stop token (sync_every > 1) are discarded
+            if len(out.tokens) == max_new[i]:
+                out.finish_reason, done = "length", True
+                break
+        if not done:
+            keep.append(row)
+        elif cache is not None:   # the cache holds prompt + tokens[:-1]: the last token was never fed
+            out.prefix = Prefix(cache.take([row]), len(prompts[i]) + len(out.tokens) - 1)
+    return keep

@@ -31,8 +31,10 @@ and their masks) is worked out once per call, in a `Step`.
 Simplified on purpose: no sliding window, no rope scaling (only the "default" rope), no MoE, no vision
 tower (a multimodal Qwen3.5 checkpoint loads its language model only), no MTP head. The model knows
 nothing of distribution: ppo.py shards `model.layers` from outside (gpt-fast style).
-Reading and writing the checkpoint files, and the offline tokenizer, are checkpoint_io.py (re-exported
-here: `model.save`, `model.build_tokenizer`).
+
+Beside this file: model_config.py holds `ModelConfig` and its config.json spelling (`model.ModelConfig`),
+gated_delta.py the gated delta rule's three kernels that GatedDeltaNet calls, and checkpoint_io.py the
+checkpoint files and the offline tokenizer (re-exported here: `model.save`, `model.build_tokenizer`).
 """
 
 import math
@@ -47,6 +49,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+# the architecture's hyperparameters and their config.json spelling (model_config.py)
+from model_config import ModelConfig
+# the gated delta rule of Qwen3.5's DeltaNet layers (gated_delta.py): token by token, one decode step, in chunks
+from gated_delta import chunk_gated_delta_rule, gated_delta_step_, recurrent_gated_delta_rule
 # the checkpoint files and the offline tokenizer (checkpoint_io.py); save and build_tokenizer are re-exported (model.save(...))
 from checkpoint_io import build_tokenizer, check_weights, hf_to_ours, read_config_json, read_safetensors, save  # noqa: F401
 
@@ -55,128 +61,7 @@ try:  # the GPU path; CPU machines use PyTorch SDPA
 except ImportError:
     flash_attn_varlen_func = flash_attn_with_kvcache = None
 
-SUPPORTED = {"qwen3": "qwen3", "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "llama": "llama"}
-HF_NAMES = {"qwen3": ("qwen3", "Qwen3ForCausalLM"), "qwen3_5": ("qwen3_5_text", "Qwen3_5ForCausalLM"),
-            "llama": ("llama", "LlamaForCausalLM")}
 REPO = Path(__file__).resolve().parent
-
-
-# ----------------------------------------------------------------------------- config
-
-@dataclass
-class ModelConfig:
-    arch: str                      # "qwen3" | "qwen3_5" | "llama"
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int                 # query heads of full-attention layers
-    num_kv_heads: int              # key/value heads (GQA: num_heads % num_kv_heads == 0)
-    head_dim: int
-    intermediate_size: int         # SwiGLU hidden width
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_seq_len: int = 4096        # the model's context (max_position_embeddings)
-    tie_word_embeddings: bool = False
-    layer_types: list = None       # per layer "full_attention" | "linear_attention"
-    partial_rotary_factor: float = 1.0   # fraction of head_dim that RoPE rotates (qwen3_5: 0.25)
-    attention_bias: bool = False
-    mlp_bias: bool = False
-    # qwen3_5 Gated DeltaNet ("linear_attention" layers)
-    linear_num_key_heads: int = 0
-    linear_num_value_heads: int = 0
-    linear_key_head_dim: int = 0
-    linear_value_head_dim: int = 0
-    linear_conv_kernel: int = 4
-    # token ids, kept so save() writes a config transformers' generate understands
-    bos_token_id: int = None
-    eos_token_id: int = None
-    pad_token_id: int = None
-
-    def __post_init__(self):
-        assert self.arch in HF_NAMES, f"arch must be one of {sorted(HF_NAMES)}, got {self.arch!r}"
-        if self.layer_types is None:
-            self.layer_types = (["linear_attention"] * 3 + ["full_attention"]) * (self.num_layers // 4) \
-                if self.arch == "qwen3_5" else ["full_attention"] * self.num_layers
-        assert len(self.layer_types) == self.num_layers, \
-            f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers"
-        assert self.num_heads % self.num_kv_heads == 0, \
-            f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}"
-        if "linear_attention" in self.layer_types:
-            assert self.arch == "qwen3_5", "linear_attention layers exist only in qwen3_5"
-            assert self.linear_num_value_heads % self.linear_num_key_heads == 0, \
-                "linear_num_value_heads must be a multiple of linear_num_key_heads"
-
-    @property
-    def rotary_dim(self) -> int:
-        return int(self.head_dim * self.partial_rotary_factor)
-
-    @classmethod
-    def from_hf(cls, d: dict) -> "ModelConfig":
-        """Read a Hugging Face config.json dict (multimodal Qwen3.5: its nested `text_config`)."""
-        model_type = d.get("model_type")
-        if model_type not in SUPPORTED:
-            raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED)}")
-        if "text_config" in d:  # multimodal Qwen3.5: keep the text part; the outer config decides tying (as in HF)
-            d = {**d["text_config"], "tie_word_embeddings": d.get("tie_word_embeddings",
-                                                                  d["text_config"].get("tie_word_embeddings", False))}
-        arch = SUPPORTED[model_type]
-        # transformers 5 nests rope settings in rope_parameters; older files keep rope_theta at the top
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"rope_type {rope_type!r} is not supported (only 'default')")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
-        num_heads = d["num_attention_heads"]
-        layer_types = d.get("layer_types")
-        if arch == "qwen3_5" and layer_types is None:
-            every = d.get("full_attention_interval", 4)
-            layer_types = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
-                           for i in range(d["num_hidden_layers"])]
-        if arch != "qwen3_5":
-            layer_types = None  # qwen3's layer_types may say "sliding_attention"; we run full attention
-        eos = d.get("eos_token_id")
-        return cls(
-            arch=arch, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
-            num_layers=d["num_hidden_layers"], num_heads=num_heads,
-            num_kv_heads=d.get("num_key_value_heads") or num_heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // num_heads,
-            intermediate_size=d["intermediate_size"], rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=rope.get("rope_theta", d.get("rope_theta", 10000.0)),
-            max_seq_len=d.get("max_position_embeddings", 4096),
-            tie_word_embeddings=d.get("tie_word_embeddings", False), layer_types=layer_types,
-            partial_rotary_factor=rope.get("partial_rotary_factor",
-                                           d.get("partial_rotary_factor", 0.25 if arch == "qwen3_5" else 1.0)),
-            attention_bias=d.get("attention_bias", False), mlp_bias=d.get("mlp_bias", False),
-            linear_num_key_heads=d.get("linear_num_key_heads", 0),
-            linear_num_value_heads=d.get("linear_num_value_heads", 0),
-            linear_key_head_dim=d.get("linear_key_head_dim", 0),
-            linear_value_head_dim=d.get("linear_value_head_dim", 0),
-            linear_conv_kernel=d.get("linear_conv_kernel_dim", 4),
-            bos_token_id=d.get("bos_token_id"), eos_token_id=eos[0] if isinstance(eos, list) else eos,
-            pad_token_id=d.get("pad_token_id"))
-
-    def to_hf(self) -> dict:
-        """The config.json that transformers' AutoModelForCausalLM reads back into the same model."""
-        model_type, cls_name = HF_NAMES[self.arch]
-        d = dict(model_type=model_type, architectures=[cls_name], vocab_size=self.vocab_size,
-                 hidden_size=self.hidden_size, num_hidden_layers=self.num_layers,
-                 num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
-                 head_dim=self.head_dim, intermediate_size=self.intermediate_size, hidden_act="silu",
-                 rms_norm_eps=self.rms_norm_eps, max_position_embeddings=self.max_seq_len,
-                 tie_word_embeddings=self.tie_word_embeddings, attention_bias=self.attention_bias,
-                 rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
-                 bos_token_id=self.bos_token_id, eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id)
-        if self.arch == "llama":
-            d["mlp_bias"] = self.mlp_bias
-        if self.arch == "qwen3_5":
-            d["rope_parameters"]["partial_rotary_factor"] = self.partial_rotary_factor
-            d.update(layer_types=self.layer_types, linear_num_key_heads=self.linear_num_key_heads,
-                     linear_num_value_heads=self.linear_num_value_heads,
-                     linear_key_head_dim=self.linear_key_head_dim,
-                     linear_value_head_dim=self.linear_value_head_dim,
-                     linear_conv_kernel_dim=self.linear_conv_kernel)
-        return d
 
 
 # ----------------------------------------------------------------------------- cache
@@ -468,65 +353,6 @@ class Attention(nn.Module):
 
 def l2norm(x, eps=1e-6):
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
-
-
-def recurrent_gated_delta_rule(q, k, v, g, beta, state):
-    """Token by token. q, k [B, H, T, dk]; v [B, H, T, dv]; g, beta [B, H, T]; state [B, H, dk, dv]; fp32."""
-    out = torch.empty_like(v)
-    for t in range(q.shape[2]):
-        state = state * g[:, :, t, None, None].exp()                      # forget: S <- S * exp(g)
-        kv_mem = (k[:, :, t, None, :] @ state)[:, :, 0]                   # S^T k: what S predicts for k [B, H, dv]
-        delta = (v[:, :, t] - kv_mem) * beta[:, :, t, None]               # delta rule correction
-        state = torch.addcmul(state, k[:, :, t, :, None], delta[:, :, None, :])  # S += k (x) delta
-        out[:, :, t] = (q[:, :, t, None, :] @ state)[:, :, 0]             # o = S^T q
-    return out, state
-
-
-def gated_delta_step_(q, k, v, g, beta, state):
-    """One decode token, updating `state` (the cache's) in place: the recurrent rule above, rearranged so
-    that the state is read once for both S^T k and S^T q (taken from the old state, then corrected) and
-    updated in place, since a decode step is bound by moving the states. q, k [B, H, dk]; v [B, H, dv];
-    g, beta [B, H]; state [B, H, dk, dv] fp32. Returns o [B, H, dv]."""
-    decay = g.exp()[..., None]                                            # [B, H, 1]
-    k_mem, q_mem = (torch.stack([k, q], dim=2) @ state).unbind(2)         # S^T k, S^T q [B, H, dv]
-    delta = (v - k_mem * decay) * beta[..., None]                         # v - (S exp(g))^T k, times beta
-    state.mul_(decay[..., None]).addcmul_(k[..., :, None], delta[..., None, :])  # S <- S exp(g) + k (x) delta
-    return q_mem * decay + (q * k).sum(-1, keepdim=True) * delta          # S_new^T q
-
-
-def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size=64):
-    """The same rule, in chunks: within a chunk the T sequential updates become triangular solves and
-    matmuls (the UT transform of DeltaNet); only the chunks are walked in order. Shapes as above."""
-    B, H, T, dk = k.shape
-    C = chunk_size
-    pad = (C - T % C) % C   # zero padding: beta = 0 and g = 0 leave the state alone
-    if pad:
-        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
-    N = (T + pad) // C
-    # chunk-major [N, B, H, C, d]: each step of the walk below multiplies contiguous blocks
-    q, k, v = (x.reshape(B, H, N, C, -1).permute(2, 0, 1, 3, 4).contiguous() for x in (q, k, v))
-    g, beta = (x.reshape(B, H, N, C).permute(2, 0, 1, 3).contiguous() for x in (g, beta))
-    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
-    g_cum = g.cumsum(-1)                                                  # log decay from chunk start to i
-    g_exp = g_cum.exp()[..., None]
-    future = torch.ones(C, C, dtype=torch.bool, device=q.device).triu(1)
-    decay = (g_cum[..., :, None] - g_cum[..., None, :]).masked_fill(future, float("-inf")).exp()  # [.., C, C] i>=j
-    # (I + strict_lower(beta_i k_i.k_j decay_ij)) u = beta v : the per-token corrections inside the chunk
-    system = (k_beta @ k.transpose(-1, -2)) * decay
-    u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, k_beta * g_exp, upper=False, unitriangular=True)
-    attn = (q @ k.transpose(-1, -2)) * decay                               # intra-chunk q.k, causal, decayed
-    q_dec = q * g_exp                                                     # q reads the state decayed to i
-    k_dec = k * (g_cum[..., -1:] - g_cum).exp()[..., None]                # k's write decays to chunk end
-    k_dec = k_dec.transpose(-1, -2).contiguous()                          # [N, B, H, dk, C]
-    chunk_decay = g_cum[..., -1].exp()[..., None, None]                   # [N, B, H, 1, 1]
-    out = []
-    for n in range(N):
-        v_new = u[n] - w[n] @ state                                       # corrections net of what S predicts
-        out.append(q_dec[n] @ state + attn[n] @ v_new)
-        state = state * chunk_decay[n] + k_dec[n] @ v_new
-    return torch.stack(out, dim=2).reshape(B, H, N * C, -1)[:, :, :T], state
 
 
 class GatedDeltaNet(nn.Module):

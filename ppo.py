@@ -13,21 +13,15 @@ sync to a generation copy, and torch.distributed.checkpoint checkpoints.
     batch.advantages, batch.returns, batch.old_values = adv, ret, values; learner.update(batch)
     # torchrun --nproc_per_node 8 rime.py : init_distributed() once, then each rank passes its own rows
 
-The objective (AReaL's decoupled PPO). Three policies meet in one loss:
-behaviour (the generator's weights when the row was sampled: `behav_logprobs`, version `versions`),
-proximal (the learner's weights at the start of this update: `prox`) and current (the weights being
-trained). Per policy token t, with A the advantage:
-    r = pi_cur / pi_prox,  w = pi_prox / pi_behav (no gradient),
-    loss_t = w * max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high))
-and the loss is the token mean over the loss mask of the whole (global) batch. w corrects for rows
-sampled by older weights; the trust region is measured against prox, so stale rows are not all clipped.
-prox == behav (w = 1) is ordinary PPO. Staleness is bounded by eta (`max_lag`): rows whose version lag
-exceeds it are *dropped* (mask 0, out of the token count), not down-weighted: w already corrects an
-admissible row without bias, while any down-weighting function would be an arbitrary bias, and past
-eta the ratios w have too much variance to be worth a gradient. eta = 0 is synchronous PPO.
-Two optional guards bound what a far-off-policy token can do (both off by default; see policy_loss for
-when to turn them on): `behav_imp_weight_cap` (AReaL: tokens with w above the cap leave the loss) and
-`clip_ratio_c` (verl's dual-clip: a negative-advantage token costs at most -A * c before w).
+The objective is AReaL's decoupled PPO (ppo_loss.py holds the losses and explains them): behaviour
+(the generator's weights when the row was sampled: `behav_logprobs`, version `versions`), proximal
+(the learner's weights at the start of this update: `prox`) and current (the weights being trained)
+meet in one token-level clipped loss, where w = pi_prox / pi_behav corrects for rows sampled by older
+weights. Staleness is bounded by eta (`max_lag`): rows whose version lag exceeds it are *dropped*
+(mask 0, out of the token count), not down-weighted: w already corrects an admissible row without
+bias, while any down-weighting function would be an arbitrary bias, and past eta the ratios w have
+too much variance to be worth a gradient. eta = 0 is synchronous PPO. policy_loss's two guards for
+far-off-policy tokens (`behav_imp_weight_cap`, `clip_ratio_c`) are Learner settings, off by default.
 
 Temperature: generate reports logprobs of softmax(logits / T), so every row carries the T it was sampled
 at (Batch.temperatures, from rollout's Segment.temperature through make_batch) and the learner computes
@@ -48,11 +42,6 @@ RIME's defaults (critic-free mode): clip 0.2 / 0.28, k1 KL 0.01 to the frozen re
 bonus, AdamW lr 1e-6, wd 0.1, one optimizer step per rollout batch (`update(batch)`). Groups of 8 and
 dropping groups whose rewards are all equal happen on the caller's side, where groups are known:
 `rewards.group_advantages` returns keep=False for such groups; leave those rows out of the Batch.
-
-KL estimators, per policy token with d = logp_cur - logp_ref: k1 = d (RIME's), k3 = exp(-d) + d - 1
-(Schulman's low-variance estimator, always >= 0). Both estimate KL(pi || ref) on pi's samples, and both
-are used here as a loss term (as verl does), not subtracted from the reward. As a loss, k1's gradient
-(grad logp) has zero mean on fresh samples: it only pulls back once samples are off-policy; k3's does not.
 
 Simplified on purpose: no sequence packing (micro-batches are right-padded, rows sorted by length), no
 tensor/pipeline parallelism, no CPU offload, the reference model is not checkpointed (it is frozen:
@@ -76,6 +65,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+# the losses (ppo_loss.py); callers may take them from here too (ppo.policy_loss, ppo.sft_loss)
+from ppo_loss import kl_to_ref, masked, policy_loss, sft_loss, token_entropy, token_logprobs, value_loss
 
 # -----------------------------------------------------------------------------------------------
 # distributed setup: rank, world size and device are worked out once; plain `python` = one process
@@ -261,138 +253,6 @@ def micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
             cur = []
         cur.append(i)
     return out + [cur] if cur else out
-
-
-# -----------------------------------------------------------------------------------------------
-# per-token quantities and losses: pure functions of [B, T] tensors
-
-
-def _tempered(logits: torch.Tensor, temperature) -> torch.Tensor:
-    """logits[:, :-1] (the ones that predict tokens 1..T-1) in fp32, divided by the temperature: a float,
-    or a [B] tensor with one temperature per row (Batch.temperatures)."""
-    lg = logits[:, :-1].float()
-    if torch.is_tensor(temperature):
-        return lg / temperature.to(lg.device, lg.dtype)[:, None, None]
-    return lg if temperature == 1.0 else lg / temperature
-
-
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature=1.0) -> torch.Tensor:
-    """logits [B, T, V] of a forward over tokens [B, T] -> [B, T]: out[:, t] = log p(tokens[t] | tokens[<t])
-    under softmax(logits / temperature) (generate's convention); out[:, 0] = 0. temperature: a float or a
-    [B] tensor (one per row)."""
-    B, T, V = logits.shape
-    lg = _tempered(logits, temperature)
-    # cross_entropy = fused log_softmax + gather: no second [B, T, V] tensor kept for backward
-    lp = -F.cross_entropy(lg.reshape(-1, V), tokens[:, 1:].reshape(-1), reduction="none").view(B, T - 1)
-    return F.pad(lp, (1, 0))
-
-
-def token_entropy(logits: torch.Tensor, temperature=1.0) -> torch.Tensor:
-    """Entropy of the next-token distribution softmax(logits / temperature) that chose token t:
-    [B, T, V] -> [B, T] (0 at t = 0)."""
-    lg = _tempered(logits, temperature)
-    ent = torch.logsumexp(lg, -1) - (torch.softmax(lg, -1) * lg).sum(-1)
-    return F.pad(ent, (1, 0))
-
-
-def _mask(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    # where, not multiply: garbage (inf / nan) at masked positions must not leak into loss or gradient
-    return torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device))
-
-
-def policy_loss(logprobs, prox_logprobs, behav_logprobs, advantages, mask, clip_low=0.2, clip_high=0.28,
-                num_tokens=None, *, behav_imp_weight_cap=None, clip_ratio_c=None):
-    """Token-level decoupled PPO, all tensors [B, T] (see the module docstring):
-    sum(mask * w * max(-A*r, -A*clip(r, 1-clip_low, 1+clip_high))) / num_tokens (default sum(mask)),
-    r = exp(logprobs - prox_logprobs), w = exp(prox_logprobs - behav_logprobs) without gradient.
-    -> (loss, stats); stats are 0-dim tensors over the same denominator: clipfrac (share of tokens
-    whose clipped term is active, i.e. no gradient), approx_kl (k3 estimate of KL(prox || cur)),
-    behav_kl (k3 of KL(behav || prox): how off-policy the rows are), is_weight (mean w).
-
-    Two guards for asynchronous rows, both off by default (None) and both AReaL's / verl's semantics:
-    - behav_imp_weight_cap (AReaL's `behav_imp_weight_cap`, > 1): a token whose w exceeds the cap is
-      *masked out* of the loss (its weight set to 0, as AReaL does; it still counts in num_tokens), not
-      clipped to the cap. Turn it on when rows are stale (max_lag >= 1) or the sampler runs in another
-      precision than the learner (a bf16 generation copy): there w strays from 1, and one token with a
-      huge w would otherwise dominate the gradient. stats["behav_cap_frac"]: share of tokens masked.
-    - clip_ratio_c (verl's dual-clip `clip_ratio_c`, typically 3.0, > 1): for A < 0 the clipped term is
-      further bounded, min(max(-A*r, -A*clip(r)), -A*c), so a negative-advantage token whose ratio r has
-      run far above 1 (which PPO's max never bounds) costs at most -A*c before w. Turn it on for
-      off-policy rows with negative advantages (async training, critic-free groups).
-      stats["dualclip_frac"]: share of tokens where the bound is active."""
-    shapes = [tuple(x.shape) for x in (logprobs, prox_logprobs, behav_logprobs, advantages, mask)]
-    assert len(set(shapes)) == 1 and len(shapes[0]) == 2, f"policy_loss needs five [B, T] tensors, got {shapes}"
-    if behav_imp_weight_cap is not None and not behav_imp_weight_cap > 1.0:
-        raise ValueError(f"behav_imp_weight_cap must be > 1 (or None), got {behav_imp_weight_cap}")
-    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
-        raise ValueError(f"clip_ratio_c must be > 1 (or None), got {clip_ratio_c}")
-    m = mask.bool()
-    n = m.sum().clamp(min=1) if num_tokens is None else num_tokens
-    # sanitise first: a nan at a masked position would otherwise turn 0 * nan into a nan gradient
-    prox = _mask(prox_logprobs.detach(), m)
-    behav = _mask(behav_logprobs.detach(), m)
-    adv = _mask(advantages.detach().float(), m)
-    log_r = _mask(logprobs - prox, m)
-    ratio = torch.exp(log_r)
-    w = torch.exp(prox - behav)                                                     # no grad: detached inputs
-    pg1 = -adv * ratio
-    pg2 = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    clipped = torch.maximum(pg1, pg2)
-    if clip_ratio_c is not None:                    # dual-clip: bound the negative-advantage tokens
-        bound = -adv * clip_ratio_c
-        dual = (adv < 0) & (clipped > bound)
-        clipped = torch.where(dual, bound, clipped)
-    w_used = w
-    if behav_imp_weight_cap is not None:            # AReaL: tokens past the cap leave the loss
-        capped = w > behav_imp_weight_cap
-        w_used = torch.where(capped, torch.zeros((), dtype=w.dtype, device=w.device), w)
-    per_token = w_used * clipped
-    loss = _mask(per_token, m).sum() / n
-    with torch.no_grad():
-        log_w = prox - behav
-        stats = {
-            "pg_loss": loss.detach(),
-            "clipfrac": _mask((pg2 > pg1).float(), m).sum() / n,
-            "approx_kl": _mask(ratio - 1 - log_r, m).sum() / n,
-            "behav_kl": _mask(torch.exp(log_w) - 1 - log_w, m).sum() / n,
-            "is_weight": _mask(w, m).sum() / n,
-        }
-        if behav_imp_weight_cap is not None:
-            stats["behav_cap_frac"] = _mask(capped.float(), m).sum() / n
-        if clip_ratio_c is not None:
-            stats["dualclip_frac"] = _mask(dual.float(), m).sum() / n
-    return loss, stats
-
-
-def value_loss(values, returns, mask, old_values=None, clip=0.2, num_tokens=None):
-    """0.5 * token mean of (V - R)^2, PPO-clipped around old_values when given:
-    max((V - R)^2, (old + clip(V - old, -clip, clip) - R)^2), so one update cannot move a value far."""
-    m = mask.bool()
-    n = m.sum().clamp(min=1) if num_tokens is None else num_tokens
-    ret = _mask(returns.detach().float(), m)
-    v = _mask(values.float(), m)
-    err = (v - ret) ** 2
-    if old_values is not None and clip is not None:
-        old = _mask(old_values.detach().float(), m)
-        err = torch.maximum(err, (old + torch.clamp(v - old, -clip, clip) - ret) ** 2)
-    return 0.5 * _mask(err, m).sum() / n
-
-
-def kl_to_ref(logprobs, ref_logprobs, estimator="k1"):
-    """Per-token estimate of KL(pi || ref) on pi's samples, [B, T]: k1 = d, k3 = exp(-d) + d - 1, d = lp - ref."""
-    d = logprobs - ref_logprobs.detach()
-    if estimator == "k1":
-        return d
-    if estimator == "k3":
-        return torch.exp(-d) + d - 1
-    raise ValueError(f"kl estimator must be 'k1' or 'k3', got {estimator!r}")
-
-
-def sft_loss(logprobs, mask, num_tokens=None):
-    """Cross-entropy on the mask-1 tokens (warm start: imitation rows trained beside PPO rows)."""
-    m = mask.bool()
-    n = m.sum().clamp(min=1) if num_tokens is None else num_tokens
-    return -_mask(logprobs, m).sum() / n
 
 
 # -----------------------------------------------------------------------------------------------
@@ -624,16 +484,16 @@ class Learner:
             for name, value in st.items():
                 add(name, value)
             if self.entropy_coef > 0:
-                ent = _mask(token_entropy(logits, temp), mask).sum() / n_pol
+                ent = masked(token_entropy(logits, temp), mask).sum() / n_pol
                 loss = loss - self.entropy_coef * ent
             else:                           # only logged: no graph through the [b, t, V] softmax
                 with torch.no_grad():
-                    ent = _mask(token_entropy(logits, temp), mask).sum() / n_pol
+                    ent = masked(token_entropy(logits, temp), mask).sum() / n_pol
             add("entropy", ent)
             if use_ref:
                 with torch.no_grad(), self.autocast():
                     ref_logp = token_logprobs(self.ref_model(tok), tok, temp)
-                kl = _mask(kl_to_ref(logp, ref_logp, self.kl_estimator), mask).sum() / n_pol
+                kl = masked(kl_to_ref(logp, ref_logp, self.kl_estimator), mask).sum() / n_pol
                 loss = loss + self.kl_coef * kl
                 add("kl_ref", kl)
             if use_values:
@@ -642,7 +502,7 @@ class Learner:
                 vl = value_loss(values, ret, mask, old, self.value_clip, num_tokens=n_pol)
                 loss = loss + self.vf_coef * vl
                 add("value_loss", vl)
-                v, r = _mask(values.detach(), mask), _mask(ret.float(), mask)       # for explained variance
+                v, r = masked(values.detach(), mask), masked(ret.float(), mask)       # for explained variance
                 for name, x in (("_r", r), ("_r2", r * r), ("_e", r - v), ("_e2", (r - v) ** 2)):
                     add(name, x.sum())
             if use_sft:

@@ -77,8 +77,9 @@ def test_helper_is_out_of_reach(capfd):
 def test_filesystem_is_an_allowlist(tmp_path):
     (tmp_path / "host-tmp.txt").write_text("x")
     with Sandbox(timeout=10, env={"PYTHONPATH": str(PROJECT)}) as sb:
-        for cmd in [f"ls {PROJECT}", f"cat {PROJECT}/sandbox.py", f"ls {PROJECT}/data", f"ls {PROJECT}/.cache",
-                    "python -c 'import sandbox'", "python -c 'import shop'", f"cat {tmp_path}/host-tmp.txt",
+        for cmd in [f"ls {PROJECT}", f"cat {PROJECT}/sandbox.py", f"cat {PROJECT}/sandbox_helper.py",
+                    f"ls {PROJECT}/data", f"ls {PROJECT}/.cache", "python -c 'import sandbox'",
+                    "python -c 'import shop'", f"cat {tmp_path}/host-tmp.txt",
                     "ls /work /home /var /opt /mnt"]:
             r = sb.run(cmd)
             assert r.exit_code != 0, (cmd, r)

@@ -1,5 +1,6 @@
 """judge.py: heuristic ordering on fixed memory pairs, the LLM judge's parser and retry, and the
-two completion backends (a local stub HTTP server; the tiny model through generate)."""
+two completion backends (a local stub HTTP server, through chat_api.py's client; the tiny model
+through generate)."""
 
 import json
 import sys
@@ -10,6 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+import chat_api
 import judge
 from judge import (DIMENSIONS, RETRY, ApiError, HeuristicJudge, LLMJudge, chat, local_complete,
                    openai_complete, parse_reply)
@@ -265,7 +267,7 @@ class _Stub:
 @pytest.fixture(autouse=True)
 def fresh_json_mode_memory(monkeypatch):
     # which endpoints refused JSON mode is remembered per process: each test starts clean
-    monkeypatch.setattr(judge, "_NO_JSON_MODE", set())
+    monkeypatch.setattr(chat_api, "_NO_JSON_MODE", set())
 
 
 def test_openai_complete_success(monkeypatch):
@@ -297,10 +299,8 @@ def test_openai_complete_retries_500_then_succeeds(monkeypatch):
 def test_openai_complete_timeout_and_4xx():
     with _Stub([("sleep", 1.0), ("sleep", 1.0)]) as stub:
         complete = openai_complete(stub.url, "m", timeout=0.2, retries=1, backoff=0.01)
-        t = time.time()
-        with pytest.raises(RuntimeError, match="gave up after 2 tries"):
+        with pytest.raises(RuntimeError, match="gave up after 2 tries"):   # each try timed out
             complete("hi")
-        assert time.time() - t < 3.0
         assert len(stub.requests) == 2
     with _Stub([("status", 400), ("ok", "never")]) as stub:
         complete = openai_complete(stub.url, "m", timeout=5, retries=3, backoff=0.01,

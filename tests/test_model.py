@@ -9,6 +9,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
+import gated_delta
 import model as M
 
 VOCAB = 300
@@ -265,12 +266,12 @@ def test_chunked_delta_rule_equals_recurrent():
     decay = -torch.rand(B, H, T, generator=g)
     beta = torch.rand(B, H, T, generator=g)
     state = torch.randn(B, H, dk, dv, generator=g)
-    o1, s1 = M.recurrent_gated_delta_rule(q, k, v, decay, beta, state)
-    o2, s2 = M.chunk_gated_delta_rule(q, k, v, decay, beta, state, chunk_size=32)
+    o1, s1 = gated_delta.recurrent_gated_delta_rule(q, k, v, decay, beta, state)
+    o2, s2 = gated_delta.chunk_gated_delta_rule(q, k, v, decay, beta, state, chunk_size=32)
     assert max_diff(o1, o2) <= 1e-4 and max_diff(s1, s2) <= 1e-4
     # the in-place decode step: token by token, the state it updates ends where the rule's does
     s3 = state.clone()
-    o3 = torch.stack([M.gated_delta_step_(q[:, :, t], k[:, :, t], v[:, :, t], decay[:, :, t], beta[:, :, t], s3)
+    o3 = torch.stack([gated_delta.gated_delta_step_(q[:, :, t], k[:, :, t], v[:, :, t], decay[:, :, t], beta[:, :, t], s3)
                       for t in range(T)], dim=2)
     assert max_diff(o1, o3) <= 1e-4 and max_diff(s1, s3) <= 1e-4
 
