@@ -4,7 +4,9 @@
     python bench.py --policy scripted --streams codebase19,codebase26,codebase27,camg
     python bench.py --policy smollm2 --policy path/to/hf_dir --attempts 4
     OPENAI_API_KEY=... python bench.py --api https://host/v1 --api-model NAME --streams codebase19
+    python bench.py --policy scripted --stream codebase --swebench rows.jsonl --swebench-repos checkouts/
     python bench.py ablations [--seeds 3]                  # RIME's ablation table (trains 3 seeds per variant)
+    python bench.py camg-ablations [--seeds 3]             # CAMG's memory ablations (ablations.py has both)
     python bench.py engine | sandbox | envs | ppo | camg [args]   # = python speed.py ... (speed benchmarks)
 
 What one (policy, stream) cell measures:
@@ -23,8 +25,14 @@ Streams:
   "easy_to_hard", segment=6, seed=0) = world w16, 6 easy tasks (12-11 edges) then 6 hard (8-7 edges);
 - codebase19: codebase.test_stream() (9 tablib then 10 tenacity issues); codebase26 / codebase27:
   codebase.long_streams() tablib (26) / tenacity (27);
+- codebase: the SWE-bench JSONL rows of --swebench, in file order, on the git checkouts of
+  --swebench-repos (codebase.load_swebench_jsonl: nothing is fetched; a row whose repository or base
+  commit is not there stops the bench with one line before any model loads);
 - camg: per environment (shop, coding, deepresearch, autoresearch) the first test group's tasks,
   easiest first (order "long"), at most `camg_tasks`.
+Published rows (published.py) are printed beside ours, each labelled by its source: "released figures"
+(the authors' released result tables), "abstract", or "derived" (computed here from released figures,
+never reported as such). With a camg stream the CAMG paper's success table and its abstract's claim follow.
 Results: every finished task is one JSONL line in <results>/rows.jsonl keyed by (policy, stream, mode,
 task id, attempt) and the settings that change results; a rerun skips those (an interrupted bench
 resumes; the with-memory run also resumes its memory from the last row).
@@ -44,7 +52,6 @@ a trained checkpoint has to improve on.
 import argparse
 import functools
 import json
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field, fields
@@ -54,14 +61,11 @@ from pathlib import Path
 from tqdm import tqdm
 
 import cli
-from benchutil import flags, md_table
+import published
 from judge import ApiError, chat  # the OpenAI-compatible HTTP client (the judge uses it too)
 
-STREAMS = ("alchemy", "codebase19", "codebase26", "codebase27", "camg")
+STREAMS = ("alchemy", "codebase19", "codebase26", "codebase27", "codebase", "camg")
 CAMG_ENVS = ("shop", "coding", "deepresearch", "autoresearch")
-# the RIME paper: Codebase Adaptation, 19-task stream (cumulative reward, cumulative gain)
-PUBLISHED = [("Qwen3.5-4B + RIME", 10.55, 2.27), ("GPT-5.4", 10.14, 0.69), ("Claude Opus 4.7", 10.36, 1.49),
-             ("GPT-6 Astra", 17.25, 2.26), ("Claude Opus 5.5", 17.40, 0.90)]
 
 
 # -----------------------------------------------------------------------------
@@ -99,12 +103,21 @@ class Config:
     backoff: float = field(default=1.0, metadata={"help": "first backoff in seconds (doubles each retry)"})
     retry_failed: bool = field(default=False, metadata={"help": "rerun rows recorded as failed"})
     results: str = field(default="results", metadata={"help": "directory of rows.jsonl, table.md, curves"})
+    swebench: str = field(default="", metadata={"help": "SWE-bench JSONL rows: the stream `codebase` (with --stream codebase)"})
+    swebench_repos: str = field(default="", metadata={"help": "a git checkout (or a folder of checkouts) holding the "
+                                                               "rows' base commits; nothing is fetched"})
 
     def __post_init__(self):
         self.streams = [s for arg in self.streams for s in str(arg).split(",") if s]
         bad = [s for s in self.streams if s not in STREAMS]
         if bad or not self.streams:
             raise ValueError(f"unknown stream {bad or '(none)'}; choose from {', '.join(STREAMS)}")
+        cli.check(bool(self.swebench) == ("codebase" in self.streams),
+                  "--stream codebase evaluates the SWE-bench rows of --swebench FILE: give both (the built-in "
+                  "streams are codebase19, codebase26, codebase27)")
+        cli.check(not self.swebench or Path(self.swebench).is_file(), f"--swebench {self.swebench!r}: no such file")
+        cli.check(not self.swebench or Path(self.swebench_repos).is_dir(),
+                  "--swebench needs --swebench-repos DIR: the repositories' git checkouts (nothing is fetched)")
         for p in self.policy:
             if p not in ("scripted", "tiny", "smollm2"):
                 cli.check(Path(p).is_dir(), f"policy {p!r} is neither scripted, tiny, smollm2 nor an HF checkpoint dir")
@@ -124,8 +137,9 @@ class Config:
         cli.check_number("api_timeout", self.api_timeout, lo=0, lo_open=True)
 
 
-SPEED_TABLES = """RIME's ablation table (trains and evaluates each variant, resumable):
-  python bench.py ablations [--seeds 3]
+SPEED_TABLES = """the ablation tables (train and evaluate each variant, 3 seeds, resumable; ablations.py):
+  python bench.py ablations [--seeds 3]          RIME's, with rime.py
+  python bench.py camg-ablations [--seeds 3]     CAMG's memory ablations, with camg.py
 
 component speed tables are a program of their own, speed.py (`python speed.py NAME --help` lists
 a benchmark's flags; `python bench.py NAME ...` runs the same):
@@ -248,7 +262,7 @@ def offline_tokenizer():
 
 
 def load_agents(cfg: Config) -> list:
-    import model as M
+    from model import load_named
     agents = []
     for p in cfg.policy + (["api"] if cfg.api else []):
         if p in ("scripted", "api"):
@@ -258,11 +272,9 @@ def load_agents(cfg: Config) -> list:
                            context=cfg.api_context) if p == "api" else None
             agents.append(Agent(f"api:{cfg.api_model}" if api else "scripted", p if p == "scripted" else "api",
                                 tokenizer=offline, api=api))
-        elif p == "tiny":
-            m, tok = M.tiny("qwen3_5", seed=cfg.seed)
-            agents.append(Agent("tiny", "model", m.eval(), tok))
         else:
-            agents.append(Agent(p, "model", M.load(p).eval(), M.load_tokenizer(p)))
+            model, tokenizer = load_named(p, seed=cfg.seed)
+            agents.append(Agent(p, "model", model.eval(), tokenizer))
     return agents
 
 
@@ -276,11 +288,14 @@ def load_streams(name: str, cfg: Config) -> list:
     elif name.startswith("codebase"):
         import codebase
         try:
-            env = make("codebase")
-        except (AssertionError, FileNotFoundError, RuntimeError) as e:  # the cache of real repositories
-            raise SystemExit(f"bench.py: {e}") from None
-        tasks = {"codebase19": codebase.test_stream, "codebase26": lambda: codebase.long_streams()["tablib"],
-                 "codebase27": lambda: codebase.long_streams()["tenacity"]}[name]()
+            if name == "codebase":  # SWE-bench rows in file order (a bad row, or a repository not checked out: one line)
+                tasks = codebase.load_swebench_jsonl(cfg.swebench, cfg.swebench_repos, env_name="codebase")
+            else:
+                tasks = {"codebase19": codebase.test_stream, "codebase26": lambda: codebase.long_streams()["tablib"],
+                         "codebase27": lambda: codebase.long_streams()["tenacity"]}[name]()
+            env = make("codebase")  # the sandbox shows the cached test dependencies
+        except (ValueError, AssertionError, FileNotFoundError, RuntimeError) as e:  # the cache of real repositories
+            cli.fail("bench.py", str(e))
         out = [(name, env, tasks, "text")]
     else:
         out = []
@@ -498,11 +513,13 @@ def render_table(cells: list) -> str:
         reward, gain = (f"{c.reward:.2f}", f"{c.gain:+.2f}") if c.counted else ("n/a", "n/a")
         lines.append(f"| {c.policy} | {c.stream} | {reward} | {gain} | {c.counted}/{c.total} "
                      f"| {c.failed} | measured here |")
-    for name, reward, gain in PUBLISHED:
-        lines.append(f"| {name} † | codebase19 | {reward:.2f} | {gain:+.2f} | 19/19 | - "
-                     "| reported by the paper, not measured here |")
-    lines.append("\n† published rows from the RIME paper (Codebase Adaptation, 19-task stream), "
-                 "reported by the paper, not measured here.")
+    for name, reward, gain, source in published.RIME_CODEBASE19:
+        lines.append(f"| {name} † | codebase19 | {reward:.2f} | {gain:+.2f} | 19/19 | - | {source} |")
+    lines.append("\n† published, not measured here: the RIME paper's Codebase Adaptation results (19-task stream). "
+                 "released figures: the authors' released result tables.")
+    if any(c.stream.startswith("camg/") for c in cells):
+        lines.append("\nThe CAMG paper measures success (%) per environment, not cumulative reward: its published "
+                     "figures, for reference:\n\n" + published.camg_tables())
     return "\n".join(lines)
 
 
@@ -549,21 +566,22 @@ def bench(cfg: Config) -> list:
         # loaded CPU each one waits at a thread barrier; measured here 6x slower decode than 1 thread
         torch.set_num_threads(cfg.threads)
     results = Path(cfg.results)
-    results.mkdir(parents=True, exist_ok=True)
-    rows = load_rows(results / "rows.jsonl")
-    agents = load_agents(cfg)
-    streams = [s for name in cfg.streams for s in load_streams(name, cfg)]
-    cells = []
-    with open(results / "rows.jsonl", "a") as out:
-        try:
+    streams, cells = [], []
+    try:
+        for name in cfg.streams:    # first: a stream that cannot load is an error before any model loads
+            streams += load_streams(name, cfg)
+        agents = load_agents(cfg)
+        results.mkdir(parents=True, exist_ok=True)
+        rows = load_rows(results / "rows.jsonl")
+        with open(results / "rows.jsonl", "a") as out:
             for agent in agents:
                 for label, env, tasks, kind in streams:
                     with tqdm(total=len(tasks) * (1 + cfg.attempts), desc=f"{agent.name} {label}") as bar:
                         run_cell(agent, label, env, tasks, kind, cfg, rows, out, bar)
                     cells.append(summarize(agent.name, label, [t.id for t in tasks], rows, settings_of(agent, cfg)))
-        finally:
-            for _, env, _, _ in streams:
-                env.close()
+    finally:
+        for _, env, _, _ in streams:
+            env.close()
     table = render_table(cells)
     (results / "table.md").write_text(table + "\n")
     print("\n" + table + "\n\n" + write_curves(cells, results))
@@ -572,102 +590,14 @@ def bench(cfg: Config) -> list:
     return cells
 
 
-# -----------------------------------------------------------------------------
-# the RIME ablation table: python bench.py ablations
-
-# (name, rime.py flags, the paper's direction for its held-out gain)
-ABLATIONS = [
-    ("full RIME", [], "gain > 0"),
-    ("--no-explore", ["--no-explore"], "below full (the paper: negative)"),
-    ("--writer frozen", ["--writer", "frozen"], "about 0"),
-    ("--actor frozen", ["--actor", "frozen"], "below full"),
-    ("--writer decoupled", ["--writer", "decoupled"], "below full (shared weights win)"),
-    ("--order shuffled", ["--order", "shuffled"], "below full"),
-    ("--segment 6 (6+6)", ["--segment", "6"], "above 3+3 (the paper: 6+6 beats 3+3)"),
-]
-
-
-def bench_ablations(args: list) -> None:
-    """Train and evaluate RIME's ablations at the laptop budget, `--seeds` seeds each, and print mean ±
-    std of the held-out gain after RL (and of the RL effect, after minus before) beside the paper's
-    direction. Each run is `python rime.py <flags> --seed S --run-dir <results>/<variant>/seed<S>`, a
-    subprocess of its own, so a run resumes from its checkpoint and a finished run (its summary.json)
-    is never redone: rerun the same command after an interruption. The figures are those rime.py's
-    own evaluation measured on each run's trained policy (its `final/` HF directory). Extra flags after
-    `--` go to every run (e.g. `-- --steps 8`).
-        python bench.py ablations [--seeds 3] [--only "full RIME,--no-explore"] [--results results/ablations]"""
-    import subprocess
-    extra = args[args.index("--") + 1:] if "--" in args else []
-    a = flags(args[: args.index("--")] if "--" in args else args, "bench.py ablations", seeds=3,
-              results="results/ablations", only="")
-    chosen = [x for x in ABLATIONS if not a.only or x[0] in [o.strip() for o in a.only.split(",")]]
-    if not chosen or a.seeds < 1:
-        cli.fail("bench.py ablations", f"--only names none of: {', '.join(x[0] for x in ABLATIONS)}"
-                 if not chosen else "--seeds must be >= 1")
-    here = Path(__file__).resolve().parent
-    root = Path(a.results)
-    jobs = [(name, fl, s) for name, fl, _ in chosen for s in range(a.seeds)]
-    results = {}
-    with tqdm(total=len(jobs), desc="ablations") as bar:
-        for name, fl, seed in jobs:
-            run_dir = root / name.split(" (")[0].strip("-").replace(" ", "_") / f"seed{seed}"
-            summary = run_dir / "summary.json"
-            if not summary.exists():
-                run_dir.parent.mkdir(parents=True, exist_ok=True)
-                with open(run_dir.parent / f"seed{seed}.log", "a") as log:
-                    p = subprocess.run([sys.executable, str(here / "rime.py"), *fl, *extra, "--seed", str(seed),
-                                        "--run-dir", str(run_dir)], stdout=log, stderr=subprocess.STDOUT)
-                if p.returncode != 0 or not summary.exists():
-                    tqdm.write(f"{name} seed {seed}: failed (exit {p.returncode}); see {run_dir.parent}/seed{seed}.log")
-                    bar.update(1)
-                    continue
-            results.setdefault(name, []).append(json.loads(summary.read_text())["rl_effect"])
-            bar.update(1)
-
-    def ms(xs):
-        xs = [x for x in xs if x is not None]
-        if not xs:
-            return "n/a"
-        return f"{statistics.mean(xs):+.2f} ± {statistics.stdev(xs) if len(xs) > 1 else 0.0:.2f}"
-    rows = []
-    for name, _, direction in chosen:
-        effs = results.get(name, [])
-        rows.append([name, len(effs), ms([e["gain_after"] for e in effs]), ms([e["delta"] for e in effs]),
-                     direction])
-    table = md_table(["variant", "seeds", "held-out gain after RL (mean ± std)", "RL effect on gain (mean ± std)",
-                      "the paper's direction"], rows)
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "table.md").write_text(table + "\n")
-    (root / "results.json").write_text(cli.dumps(results, indent=2))
-    print("\n" + table)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(7, 3.5))
-        for i, (name, _, _) in enumerate(chosen):
-            ys = [e["gain_after"] for e in results.get(name, []) if e["gain_after"] is not None]
-            ax.scatter([i] * len(ys), ys, color="C0")
-            if ys:
-                ax.hlines(statistics.mean(ys), i - 0.3, i + 0.3, color="C1")
-        ax.axhline(0, color="grey", lw=0.5)
-        ax.set_xticks(range(len(chosen)), [n for n, _, _ in chosen], rotation=30, ha="right", fontsize=7)
-        ax.set_ylabel("held-out gain after RL")
-        fig.tight_layout()
-        fig.savefig(root / "ablations.png", dpi=120)
-        plt.close(fig)
-    except ImportError:
-        pass
-    print(f"table in {root / 'table.md'}, runs under {root}")
-
-
 SPEED_BENCHMARKS = ("engine", "sandbox", "envs", "ppo", "camg")
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] == "ablations":
-        return bench_ablations(argv[1:])
+    if argv and argv[0] in ("ablations", "camg-ablations"):
+        import ablations
+        return (ablations.rime_ablations if argv[0] == "ablations" else ablations.camg_ablations)(argv[1:])
     if argv and argv[0] in SPEED_BENCHMARKS:   # speed.py's, run as the program it is (no entry point imports another)
         import subprocess
         code = subprocess.run([sys.executable, str(Path(__file__).resolve().parent / "speed.py"), *argv]).returncode

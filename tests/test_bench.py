@@ -14,6 +14,7 @@ import pytest
 import alchemy
 import bench
 import judge
+import published
 import speed
 
 REPO = Path(__file__).resolve().parent.parent
@@ -45,11 +46,38 @@ def test_table_marks_published_rows_and_failures():
     cell = bench.Cell("scripted", "alchemy", 7.25, 1.5, 11, 12, 3, [1.0] * 11, [0.8] * 11)
     table = bench.render_table([cell])
     assert "| scripted | alchemy | 7.25 | +1.50 | 11/12 | 3 | measured here |" in table
-    for name, reward, gain in bench.PUBLISHED:
+    for name, reward, gain, source in published.RIME_CODEBASE19:
         line = next(l for l in table.splitlines() if l.startswith(f"| {name} †"))
-        assert f"{reward:.2f}" in line and f"{gain:+.2f}" in line and "reported by the paper, not measured here" in line
-    assert "| GPT-6 Astra † | codebase19 | 17.25 | +2.26 |" in table
+        assert f"{reward:.2f}" in line and f"{gain:+.2f}" in line and line.endswith(f"| {source} |")
+    assert "| GPT-6 Astra † | codebase19 | 17.25 | +2.26 | 19/19 | - | released figures |" in table
+    assert "CAMG" not in table, "the CAMG paper's figures come with a camg stream only"
     assert bench.sparkline([0, 1, 2], 2) == "▁▄█"
+
+
+def test_every_published_row_carries_its_source():
+    """Each published row says where it comes from (abstract, released figures, derived), in the data
+    and in every printed table; nothing computed here is called "reported"; the abstract's claim is text."""
+    assert {r[3] for r in published.RIME_CODEBASE19} <= set(published.SOURCES)
+    assert {r["source"] for r in published.CAMG_SUCCESS} | {r[2] for r in published.CAMG_EXTERNAL} <= set(published.SOURCES)
+    cells = [bench.Cell("scripted", "camg/shop", 3.0, 0.5, 4, 4, 0, [0.75] * 4, [0.6] * 4)]
+    text = bench.render_table(cells)
+    marked = [l for l in text.splitlines() if "†" in l and l.startswith("|")]
+    assert len(marked) == len(published.RIME_CODEBASE19) + len(published.CAMG_SUCCESS) + len(published.CAMG_EXTERNAL)
+    for line in marked:
+        source = line.rstrip(" |").rsplit("|", 1)[1].strip()
+        assert source.split(";")[0] in published.SOURCES, line
+        assert "reported" not in line.lower(), line
+    assert "| CompactionRL-4B † | 97.5 | 19.5 | 50.8 | 24.2 | 48.0 | released figures; Avg derived |" in text
+    assert "| CAMG-RL-4B, blank saved memory at evaluation † | 67.7 | 12.8 | 50.7 | 30.0 | 40.3 | derived |" in text
+    assert "| Qwen3.5-35B-A3B † | competitive with CAMG-RL-4B | competitive with CAMG-RL-4B | abstract |" in text
+    assert ("CAMG-RL-4B and CAMG-RL-9B are competitive with Qwen3.5-35B-A3B and Qwen3.5-122B-A10B, respectively"
+            in text and "SWE-bench Verified and MLE-bench Lite" in text)
+    # a derived figure is what its released parts give
+    full, blank = published.camg_row("CAMG-RL-4B")["values"], published.camg_row(
+        "CAMG-RL-4B, blank saved memory at evaluation")["values"]
+    for env, cost in published.BLANK_COST.items():
+        assert blank[env] == pytest.approx(full[env] - cost)
+    assert blank["avg"] == pytest.approx(sum(blank[e] for e in published.BLANK_COST) / 4, abs=0.05)
 
 
 def _one_line_error(capsys, fn, msg):
@@ -267,6 +295,8 @@ def test_help_lists_the_speed_tables_and_metrics_are_json(tmp_path):
     r = subprocess.run([sys.executable, "bench.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60)
     for name in ("engine", "sandbox", "envs", "ppo", "camg"):
         assert f"python speed.py {name}" in r.stdout
+    assert "python bench.py ablations" in r.stdout and "python bench.py camg-ablations" in r.stdout
+    assert "--swebench SWEBENCH" in r.stdout and "--swebench-repos SWEBENCH_REPOS" in r.stdout
     import cli
     line = cli.dumps({"a": float("nan"), "b": [float("inf"), 1.5]})
     assert json.loads(line) == {"a": None, "b": [None, 1.5]} and "NaN" not in line
@@ -335,3 +365,164 @@ def test_ablations_table_trains_resumes_and_reports(tmp_path, capsys):
     bench.main(argv)
     assert {p: p.stat().st_size for p in tmp_path.rglob("seed0.log")} == logs, "finished runs are not rerun"
     _one_line_error(capsys, lambda: bench.main(["ablations", "--only", "nothing"]), "--only names none")
+
+
+# ----------------------------------------------------------------------------- one model loader
+
+def test_model_policies_load_through_model_load_named(monkeypatch):
+    """bench.py builds no model itself: every model policy goes through model.load_named (the one
+    loader of the entry points), "tiny" being the same seeded tiny Qwen3.5 as before."""
+    import model
+    calls, real = [], model.load_named
+    monkeypatch.setattr(model, "load_named", lambda name, seed=0: calls.append((name, seed)) or real(name, seed=seed))
+    (agent,) = bench.load_agents(bench.Config(policy=["tiny"], seed=3))
+    assert calls == [("tiny", 3)] and agent.kind == "model" and not agent.model.training
+    ref, _ = model.tiny("qwen3_5", seed=3)
+    assert all(a.equal(b) for a, b in zip(agent.model.state_dict().values(), ref.state_dict().values()))
+
+
+# ----------------------------------------------------------------------------- SWE-bench rows
+
+def _git(repo, *args):
+    subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True,
+                   env={"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+                        "GIT_COMMITTER_EMAIL": "t@t", "PATH": "/usr/bin:/bin", "HOME": str(repo)})
+
+
+def _swebench_rows(tmp_path) -> tuple[Path, Path, dict]:
+    """A one-commit git repo with a bug (add subtracts) and a SWE-bench row fixing it: (rows file, repos dir, row)."""
+    repos = tmp_path / "repos"
+    repo = repos / "tinylib"
+    (repo / "tests").mkdir(parents=True)
+    (repo / "tinylib.py").write_text("def add(a, b):\n    return a - b\n")
+    (repo / "tests" / "test_keep.py").write_text("def test_keep():\n    assert True\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "base")
+    base = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    row = {"instance_id": "tiny__tinylib-1", "repo": "tiny/tinylib", "base_commit": base,
+           "problem_statement": "add(2, 3) returns -1",
+           "patch": "--- a/tinylib.py\n+++ b/tinylib.py\n@@ -1,2 +1,2 @@\n def add(a, b):\n-    return a - b\n"
+                    "+    return a + b\n",
+           "test_patch": "--- /dev/null\n+++ b/tests/test_add.py\n@@ -0,0 +1,5 @@\n+from tinylib import add\n+\n+\n"
+                         "+def test_add():\n+    assert add(2, 3) == 5\n",
+           "FAIL_TO_PASS": json.dumps(["tests/test_add.py::test_add"]), "PASS_TO_PASS": ["tests/test_keep.py::test_keep"],
+           "test_command": "python -m pytest -p no:cacheprovider", "test_timeout": 60}
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps(row) + "\n")
+    return rows, repos, row
+
+
+def test_swebench_rows_are_the_codebase_stream(tmp_path):
+    """--stream codebase --swebench FILE --swebench-repos DIR benchmarks those rows: the scripted
+    agent (the row's gold patch) resolves the issue with memory and from scratch."""
+    import codebase
+    try:
+        codebase.require_cache()      # the sandbox shows the cached test dependencies
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    rows, repos, _ = _swebench_rows(tmp_path)
+    cells = bench.main(["--policy", "scripted", "--stream", "codebase", "--swebench", str(rows), "--swebench-repos",
+                        str(repos), "--attempts", "1", "--results", str(tmp_path / "out")])
+    assert [(c.stream, c.counted, c.total, c.failed, c.gain) for c in cells] == [("codebase", 1, 1, 0, 0.0)]
+    assert cells[0].reward > 0.9        # resolved (the score counts the steps taken as well)
+    done = [json.loads(l) for l in (tmp_path / "out" / "rows.jsonl").read_text().splitlines()]
+    assert {r["task"] for r in done} == {"codebase/tiny__tinylib-1"} and all(r["success"] for r in done)
+
+
+def test_swebench_flags_fail_with_one_line(tmp_path, capsys):
+    rows, repos, row = _swebench_rows(tmp_path)
+    elsewhere = tmp_path / "elsewhere.jsonl"
+    elsewhere.write_text(json.dumps({**row, "repo": "tiny/elsewhere"}) + "\n")
+    out = ["--policy", "scripted", "--results", str(tmp_path / "out")]
+    for argv, msg in (
+            (["--stream", "codebase", "--swebench", str(tmp_path / "none.jsonl"), "--swebench-repos", str(repos)],
+             "no such file"),
+            (["--stream", "codebase", "--swebench", str(rows), "--swebench-repos", str(tmp_path / "nope")],
+             "--swebench needs --swebench-repos DIR"),
+            (["--stream", "codebase19", "--swebench", str(rows), "--swebench-repos", str(repos)], "give both"),
+            (["--stream", "codebase"], "give both"),
+            (["--stream", "codebase", "--swebench", str(elsewhere), "--swebench-repos", str(repos)],
+             "tiny/elsewhere is not available offline")):
+        _one_line_error(capsys, lambda: bench.main(argv + out), msg)
+    assert not (tmp_path / "out").exists(), "nothing is written before the streams load"
+
+
+# ----------------------------------------------------------------------------- the CAMG memory ablations
+
+FAKE_CAMG = '''
+import argparse, json, os, sys
+from pathlib import Path
+p = argparse.ArgumentParser()
+p.add_argument("--seed", type=int)
+p.add_argument("--run-dir")
+p.add_argument("--eval-memory", default="full")
+p.add_argument("--train-memory", default="full")
+p.add_argument("--mask-memory-actions", action="store_true")
+a, _ = p.parse_known_args()
+variant = "mask" if a.mask_memory_actions else a.train_memory
+with open(os.environ["FAKE_CAMG_CALLS"], "a") as f:
+    f.write(f"{variant} {a.seed} {a.eval_memory}\\n")
+if os.environ.get("FAKE_CAMG_FAIL") == f"{variant}:{a.seed}":
+    print("progress...\\nboom: the learner ran out of memory")
+    sys.exit(1)
+after = {"full": 0.5, "continuation": 0.4, "mask": 0.2}[variant] + 0.01 * a.seed
+effect = {"success_before": 0.1, "success_after": after, "delta": after - 0.1, "ci95": [0.0, 0.6], "tasks": 16}
+summary = {"rl_effect": effect, "per_env": {"shop": effect},
+           "after_by_memory": {m: {"success": after - (0.15 if m == "blank" else 0.0), "per_env": {}}
+                               for m in a.eval_memory.split(",")}, "resets": {}, "wall_s": 1.0}
+Path(a.run_dir).mkdir(parents=True, exist_ok=True)
+(Path(a.run_dir) / "summary.json").write_text(json.dumps(summary))
+'''
+
+
+def test_camg_ablations_table_resumes_and_reports_a_failed_run(tmp_path, monkeypatch, capsys):
+    """camg-ablations with a stand-in camg.py that writes summary.json: the table has mean ± std of
+    each variant (blank memory read from the full runs' own evaluation, no training of its own) beside
+    the published average and its source; a failed run is one error line (exit 2) and the others still
+    count; a rerun runs only what did not finish."""
+    import ablations
+    fake = tmp_path / "fake_camg.py"
+    fake.write_text(FAKE_CAMG)
+    monkeypatch.setitem(ablations.PROGRAMS, "camg", fake)
+    calls = tmp_path / "calls.txt"
+    monkeypatch.setenv("FAKE_CAMG_CALLS", str(calls))
+    monkeypatch.setenv("FAKE_CAMG_FAIL", "mask:1")
+    root = tmp_path / "abl"
+    argv = ["camg-ablations", "--results", str(root)]
+
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    assert e.value.code == 2
+    captured = capsys.readouterr()
+    errors = [l for l in captured.err.splitlines() if "error:" in l]
+    assert "Traceback" not in captured.err and len(errors) == 2, captured.err
+    assert errors[0].startswith("bench.py camg-ablations: error: no_memory_gradients seed 1: fake_camg.py exited 1 "
+                                "(boom: the learner ran out of memory); log: ")
+    assert errors[1].startswith("bench.py camg-ablations: error: 1 run(s) failed")
+    made = calls.read_text().splitlines()
+    assert sorted(made) == sorted([f"full {s} full,blank" for s in range(3)] + [f"continuation {s} full" for s in range(3)]
+                                  + [f"mask {s} full" for s in range(3)]), "3 seeds of 3 runs; blank trains nothing"
+    rows = {l.split("|")[1].strip(): l for l in captured.out.splitlines() if l.startswith("| ")}
+    assert rows["full"].startswith("| full | 3 | 51.00 ± 1.00 | +41.00 ± 1.00 | - | 54.4 | released figures |")
+    assert rows["blank memory at evaluation"].startswith(
+        "| blank memory at evaluation | 3 | 36.00 ± 1.00 | n/a | -15.00 ± 0.00 | 40.3 | derived | below full")
+    assert rows["continuation-only training"].startswith(
+        "| continuation-only training | 3 | 41.00 ± 1.00 | +31.00 ± 1.00 | -10.00 ± 0.00 | 41.8 | released figures |")
+    assert rows["no gradients through memory actions"].startswith(   # seeds 0 and 2 (seed 1 failed)
+        "| no gradients through memory actions | 2 | 21.00 ± 1.41 | +11.00 ± 1.41 | -30.00 ± 0.00 | 21.1 |")
+    assert (root / "table.md").read_text().strip() in captured.out
+
+    monkeypatch.delenv("FAKE_CAMG_FAIL")
+    calls.write_text("")
+    bench.main(argv)
+    assert calls.read_text().splitlines() == ["mask 1 full"], "finished runs are never redone"
+    out = capsys.readouterr().out
+    assert "| no gradients through memory actions | 3 | 21.00 ± 1.00 |" in out
+    results = json.loads((root / "results.json").read_text())
+    assert results["full"]["seed2"]["success_after"] == pytest.approx(0.52)
+
+    calls.write_text("")
+    bench.main(argv[:1] + ["--only", "blank memory at evaluation"] + argv[1:])
+    assert calls.read_text() == "" and "| blank memory at evaluation | 3 |" in capsys.readouterr().out
+    _one_line_error(capsys, lambda: bench.main(["camg-ablations", "--only", "nothing"]), "--only names none of: full")
