@@ -62,7 +62,7 @@ from tqdm import tqdm
 
 import cli
 import published
-from judge import ApiError, chat  # the OpenAI-compatible HTTP client (the judge uses it too)
+from chat_api import ApiError, chat  # the OpenAI-compatible HTTP client (the judge uses it too)
 
 STREAMS = ("alchemy", "codebase19", "codebase26", "codebase27", "codebase", "camg")
 CAMG_ENVS = ("shop", "coding", "deepresearch", "autoresearch")

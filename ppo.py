@@ -112,9 +112,14 @@ def teardown_distributed() -> None:
         dist.destroy_process_group()
 
 
+def is_rank0() -> bool:
+    """True on rank 0, and in every process when there is no process group."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
 def print0(*args, **kwargs) -> None:
     """print on rank 0 only (every process when there is no process group)."""
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if is_rank0():
         print(*args, **kwargs)
 
 

@@ -56,8 +56,9 @@ import envs
 import judge as judges
 import rewards
 import rollout
+import warmstart
 from model import load, load_named, save, tiny
-from ppo import Learner, checkpoint_path, init_distributed, make_batch, print0, teardown_distributed
+from ppo import Learner, checkpoint_path, init_distributed, is_rank0, make_batch, print0, teardown_distributed
 
 # -----------------------------------------------------------------------------
 # config
@@ -238,6 +239,57 @@ def eval_streams(env, args: Args) -> list:
 
 
 # -----------------------------------------------------------------------------
+# the stream loop: actor with M(t-1) -> score s(t) -> writer writes M(t)
+
+
+@dataclass
+class StreamRollout:
+    """One pass over a stream with evolving memory. Index t is the stream position."""
+    tasks: list
+    episodes: list = dataclasses.field(default_factory=list)   # rollout.Episode per task (actor rows)
+    writes: list = dataclasses.field(default_factory=list)     # rollout.WriterSample per task (M(t), written after task t)
+    memories: list = dataclasses.field(default_factory=list)   # memories[t] = M(t-1), what the actor of task t saw
+    explore: list = dataclasses.field(default_factory=list)    # judge score of M(t-1) -> M(t) (rl_step fills it)
+
+    @property
+    def scores(self) -> list[float]:
+        return [ep.score for ep in self.episodes]
+
+
+def play_streams(actor, writer, tokenizer, env, streams, args: Args, *, temperature: float, seed: int,
+                 on_task=None) -> list:
+    """Every stream with memory, all side by side: at each position t the actor solves task t of
+    every stream with its memory M(t-1) (one batched call), then the writer reads each finished
+    episode and rewrites the memory into M(t) (one batched call). actor and writer are one model
+    under shared weights; a frozen or decoupled writer is another. Streams may repeat (the copies
+    of a GRPO group). Returns one StreamRollout per stream."""
+    lengths = {len(s) for s in streams}
+    assert len(lengths) == 1, f"streams run in lockstep and must have one length, got {sorted(lengths)}"
+    envs_ = [env] + [env.clone() for _ in streams[1:]]
+    outs = [StreamRollout(tasks=list(s)) for s in streams]
+    memories = [""] * len(streams)
+    for t in range(lengths.pop()):
+        # the actor: task t with memory M(t-1)
+        eps = rollout.run_episodes(actor, tokenizer, envs_, [s[t] for s in streams], memory=memories,
+                                   temperature=temperature, seed=seed * 7907 + t, max_turns=args.max_turns,
+                                   max_new_tokens=args.max_new_tokens)
+        # the writer: the finished episode and M(t-1) -> M(t), which replaces it
+        writes = rollout.write_memory(writer, tokenizer, eps, memories, temperature=temperature,
+                                      seed=seed * 7919 + t, memory_tokens=args.memory_tokens,
+                                      traj_chars=args.traj_chars)
+        for o, ep, w, old in zip(outs, eps, writes, memories):
+            o.episodes.append(ep)
+            o.writes.append(w)
+            o.memories.append(old)
+        memories = [w.memory for w in writes]
+        if on_task is not None:
+            on_task(t)
+    for e in envs_[1:]:
+        e.close()
+    return outs
+
+
+# -----------------------------------------------------------------------------
 # evaluation: cumulative reward with memory vs from scratch, over many held-out streams
 
 
@@ -249,11 +301,10 @@ def evaluate(model, tokenizer, env, streams, args: Args, writer_model=None) -> d
     model.eval()
     kw = dict(temperature=args.eval_temperature, max_turns=args.max_turns, max_new_tokens=args.max_new_tokens)
     attempts = args.eval_attempts if args.eval_temperature > 0 else 1
-    with tqdm(total=len(streams[0]) + attempts, desc=f"evaluate ({len(streams)} streams)", disable=not _is_main(),
+    with tqdm(total=len(streams[0]) + attempts, desc=f"evaluate ({len(streams)} streams)", disable=not is_rank0(),
               leave=False) as bar:
-        with_mem = rollout.run_streams(model, tokenizer, env, streams, writer_model=writer_model,
-                                       memory_tokens=args.memory_tokens, traj_chars=args.traj_chars, seed=1,
-                                       on_task=lambda t: bar.update(1), **kw)
+        with_mem = play_streams(model, writer_model or model, tokenizer, env, streams, args,
+                                temperature=args.eval_temperature, seed=1, on_task=lambda t: bar.update(1))
         flat = [t for s in streams for t in s]
         scratch = [[] for _ in flat]
         for a in range(attempts):
@@ -302,128 +353,6 @@ def rl_effect(before: dict, after: dict) -> dict:
     return {"gain_before": before["cumulative_gain"], "gain_after": after["cumulative_gain"],
             "delta": after["cumulative_gain"] - before["cumulative_gain"], "ci95": [lo * scale, hi * scale],
             "streams": before["streams"]}
-
-
-# -----------------------------------------------------------------------------
-# warm start: imitation rows from the scripted actor and writer, through the rollout protocol
-
-
-GENERIC_LESSONS = ("- Try a potion on a stone and read what changed before planning.",
-                   "- Put a stone in the cauldron only when its value is positive.",
-                   "- End the trial when no move can raise a stone's value.",
-                   "- Use each potion at most once; it is used up either way.",
-                   "- Read the stones and potions listed in each observation.")
-
-
-def random_valid_policy(rng: random.Random):
-    """An actor that knows the action syntax and nothing else: a uniform draw among the actions
-    valid in the observation (apply P S for every potion and stone, cauldron S, end)."""
-    from alchemy import parse_observation
-
-    def act(obs: str) -> str:
-        state = parse_observation(obs)
-        if state is None:
-            return "end"
-        options = [f"apply p{p} s{s}" for p in state["potions"] for s in state["stones"]]
-        options += [f"cauldron s{s}" for s in state["stones"]] + ["end"]
-        return rng.choice(options)
-    return act
-
-
-def protocol_memory(ep, rng: random.Random) -> str:
-    """The memory's two-section shape with no inferred knowledge: lines quoted at random from the
-    episode's own observations (what a chat model asked to keep notes would copy, unselected) and
-    generic lessons. Which lines are worth keeping is left for RL to learn."""
-    lines = [o.strip().splitlines()[0] for o in ep.observations[1:] if o.strip()]   # each action's outcome line
-    quoted = rng.sample(lines, min(2, len(lines))) if lines else []
-    facts = [f"- {ln}" for ln in quoted] + ["- The hidden chemistry is the same in every task of this world."]
-    return ("### Repository Knowledge\n" + "\n".join(facts[:3]) + "\n\n### Lessons & Pitfalls\n"
-            + "\n".join(rng.sample(GENERIC_LESSONS, 2)))
-
-
-def warmstart_rows(tokenizer, env, tasks, args: Args):
-    """Scripted streams rendered exactly as rollouts are: actor rows from run_scripted (loss mask on
-    the agent's tokens) and writer rows = the writer prompt rollout.write_memory builds + a target
-    memory. Two modes:
-      protocol  (default): the actor is random_valid_policy and the memory protocol_memory: only the
-                action syntax and the memory's shape, no task knowledge (RL has to teach the content);
-      imitation: the reference actor (env.reference_policy) and the scripted writer's memory
-                (alchemy.memory_text of what it inferred): imitation of the content too."""
-    from alchemy import memory_text
-    fmt = rollout.ChatFormat(tokenizer)
-    rng = random.Random(f"warmstart/{args.seed}")
-    streams = curriculum.make_streams(tasks, args.warmstart_streams, order="easy_to_hard", segment=args.segment,
-                                      seed=args.seed)
-    rows, memories = [], [""] * len(streams)
-    envs_ = [env] + [env.clone() for _ in streams[1:]]
-    for t in range(len(streams[0])):
-        ts = [s[t] for s in streams]
-        if args.warmstart_mode == "imitation":
-            pols = [env.reference_policy(task, notes=m or None) for task, m in zip(ts, memories)]
-        else:
-            pols = [random_valid_policy(rng) for _ in ts]
-        eps = rollout.run_scripted(tokenizer, envs_, ts, pols, memory=memories)
-        for i, (ep, pol) in enumerate(zip(eps, pols)):
-            rows += [(r.tokens, r.loss_mask) for r in ep.rows()]
-            new = (memory_text(pol.knowledge, ep.task.id, ep.score) if args.warmstart_mode == "imitation"
-                   else protocol_memory(ep, rng))
-            prompt = fmt.prompt(rollout.WRITER_SYSTEM, rollout.writer_prompt(ep, memories[i], args.traj_chars))
-            target = fmt.encode(new) + [fmt.end_id]
-            rows.append((prompt + target, [0] * len(prompt) + [1] * len(target)))
-            memories[i] = new
-    for e in envs_[1:]:
-        e.close()
-    return rows
-
-
-def format_validity(model, tokenizer, env, tasks, args: Args, turns=6, with_score=False):
-    """Share of greedy actor replies on held-out tasks that are valid actions (and the mean score
-    those short episodes reach, if with_score)."""
-    eps = rollout.run_episodes(model, tokenizer, env, tasks, temperature=0.0, max_turns=turns,
-                               max_new_tokens=args.max_new_tokens)
-    n = sum(ep.num_turns for ep in eps)
-    bad = sum(ep.num_format_errors + int(ep.info.get("invalid", 0)) for ep in eps)
-    validity = 1.0 - bad / max(n, 1)
-    return (validity, sum(ep.score for ep in eps) / len(eps)) if with_score else validity
-
-
-def warm_start(learner, tokenizer, env, args: Args, log) -> dict:
-    gen = learner.gen_model
-    held_out = env.tasks("test")[: 8]
-    before, score_before = format_validity(gen, tokenizer, env, held_out, args, with_score=True)
-    log({"phase": "warmstart", "step": 0, "validity": before, "score": score_before})
-    if before >= args.warmstart_threshold:
-        print0(f"warm start skipped: format validity {before:.2f} >= {args.warmstart_threshold}")
-        return {"validity_before": before, "validity_after": before, "steps": 0,
-                "score_before": score_before, "score_after": score_before}
-    rows = warmstart_rows(tokenizer, env, env.tasks("train"), args)
-    print0(f"warm start ({args.warmstart_mode}): {len(rows)} rows, {sum(len(r[0]) for r in rows)} tokens; validity {before:.2f}")
-    rng = random.Random(args.seed)
-    for g in learner.optimizer.param_groups:
-        g["lr"] = args.warmstart_lr
-    from tqdm import tqdm
-    bar = tqdm(range(1, args.warmstart_steps + 1), desc="warm start", disable=not _is_main())
-    validity, step = before, 0
-    for step in bar:
-        batch = rng.sample(rows, min(args.warmstart_batch, len(rows)))
-        b = make_batch([r[0] for r in batch], [[0] * len(r[1]) for r in batch], sft_mask=[r[1] for r in batch])
-        stats = learner.update(b)
-        bar.set_postfix(sft=f"{stats.get('sft_loss', 0):.3f}")
-        if step % 25 == 0 or step == args.warmstart_steps:
-            validity = format_validity(learner.gen_model, tokenizer, env, held_out, args)
-            log({"phase": "warmstart", "step": step, "sft_loss": stats.get("sft_loss"), "validity": validity})
-            if validity >= args.warmstart_threshold:
-                break
-    for g in learner.optimizer.param_groups:
-        g["lr"] = args.lr
-    validity, score_after = format_validity(learner.gen_model, tokenizer, env, held_out, args, with_score=True)
-    log({"phase": "warmstart", "step": step, "validity": validity, "score": score_after, "final": True})
-    return {"validity_before": before, "validity_after": validity, "steps": step,
-            "score_before": score_before, "score_after": score_after}
-
-
-def _is_main():
-    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
 # -----------------------------------------------------------------------------
@@ -558,7 +487,7 @@ def warm_start_phase(run: Run) -> None:
     """Warm start (fresh runs only), then the writers, then the resume of every learner."""
     args, learner = run.args, run.learner
     if not run.resuming:
-        run.state["warm"] = warm_start(learner, run.tokenizer, run.env, args, run.log) if args.warmstart_steps else {}
+        run.state["warm"] = warmstart.warm_start(learner, run.tokenizer, run.env, args, run.log) if args.warmstart_steps else {}
         if run.state["warm"].get("steps"):
             if run.d.is_main:
                 save(learner.gen_model, run.tokenizer, run.path("warmstart"))
@@ -609,11 +538,9 @@ def rl_step(run: Run, step: int) -> dict:
     args, learner, t0 = run.args, run.learner, time.time()
     base, copies = train_streams(run.env, run.env.tasks("train"), args, step, run.d.rank)
     groups_of = [c // args.group_size for c in range(len(copies))]
-    outs = rollout.run_streams(run.actor_model or learner.gen_model, run.tokenizer, run.env, copies,
-                               writer_model=run.writer_model,
-                               temperature=args.temperature, seed=args.seed * 7 + step * 1009 + run.d.rank,
-                               max_turns=args.max_turns, max_new_tokens=args.max_new_tokens,
-                               memory_tokens=args.memory_tokens, traj_chars=args.traj_chars)
+    outs = play_streams(run.actor_model or learner.gen_model, run.writer_model or learner.gen_model, run.tokenizer,
+                        run.env, copies, args, temperature=args.temperature,
+                        seed=args.seed * 7 + step * 1009 + run.d.rank)
     t_roll = time.time() - t0
     # the judge sees only the memory before and after each task, never the trajectory
     for o in outs:

@@ -31,6 +31,7 @@ return.
 RIME roles (Section 3.1): the **actor** sees the memory in its first user turn; the **writer**
 (`write_memory`) reads the finished episode (actions and outcomes, truncated to a budget), its
 grading feedback and the previous memory, and returns the new memory, which replaces the old one.
+The stream loop that alternates them (actor, writer, actor, ...) is rime.py's `play_streams`.
 
 Each turn prefills only its new tokens: generate's saved Prefix of the episode's last turn is passed
 back (keep_prefix / prefixes). Simplification: the writer sees observations truncated to a fixed
@@ -468,54 +469,3 @@ def write_memory(model, tokenizer, episodes, old_memories, temperature=1.0, seed
                                     logprobs=[0.0] * len(p) + out.logprobs, memory=text, raw=raw, status=status,
                                     temperature=temperature))
     return samples
-
-
-# -----------------------------------------------------------------------------
-# RIME's stream loop: actor with M(t-1) -> score s(t) -> writer writes M(t) -> judge(M(t-1), M(t))
-
-@dataclass
-class StreamRollout:
-    """One pass over a stream with evolving memory. Index t is the stream position."""
-    tasks: list
-    episodes: list = field(default_factory=list)   # Episode per task (actor rows)
-    writes: list = field(default_factory=list)     # WriterSample per task (M(t) written after task t)
-    memories: list = field(default_factory=list)   # memories[t] = M(t-1), what the actor of task t saw
-    explore: list = field(default_factory=list)    # judge score of M(t-1) -> M(t), None if not judged
-
-    @property
-    def scores(self) -> list[float]:
-        return [ep.score for ep in self.episodes]
-
-
-def run_streams(model, tokenizer, env, streams, *, writer_model=None, judge=None, temperature=1.0,
-                seed=0, max_turns=None, max_new_tokens=128, memory_tokens=2048, traj_chars=4000,
-                writer_temperature=None, on_task=None, enable_thinking=False):
-    """Run every stream (a list of tasks) with memory, all streams side by side: at each position t
-    one batched actor call over all streams, then one batched writer call. The writer is `model`
-    itself (shared weights) unless `writer_model` is given (decoupled or frozen writer). The judge,
-    if given, scores each memory change; it never sees the trajectory. Streams may repeat (the
-    copies of a GRPO group). Returns one StreamRollout per stream."""
-    lengths = {len(s) for s in streams}
-    assert len(lengths) == 1, f"streams run in lockstep and must have one length, got {sorted(lengths)}"
-    envs_ = [env] + [env.clone() for _ in streams[1:]]
-    outs = [StreamRollout(tasks=list(s)) for s in streams]
-    memories = [""] * len(streams)
-    writer_temperature = temperature if writer_temperature is None else writer_temperature
-    for t in range(lengths.pop()):
-        eps = run_episodes(model, tokenizer, envs_, [s[t] for s in streams], memory=memories,
-                           temperature=temperature, seed=seed * 7907 + t, max_turns=max_turns,
-                           max_new_tokens=max_new_tokens, enable_thinking=enable_thinking)
-        writes = write_memory(writer_model or model, tokenizer, eps, memories, temperature=writer_temperature,
-                              seed=seed * 7919 + t, memory_tokens=memory_tokens, traj_chars=traj_chars,
-                              enable_thinking=enable_thinking)
-        for o, ep, w, old in zip(outs, eps, writes, memories):
-            o.episodes.append(ep)
-            o.writes.append(w)
-            o.memories.append(old)
-            o.explore.append(judge.score(old, w.memory) if judge is not None else None)
-        memories = [w.memory for w in writes]
-        if on_task is not None:
-            on_task(t)
-    for e in envs_[1:]:
-        e.close()
-    return outs

@@ -16,17 +16,29 @@ ENVIRONMENTS = {"alchemy", "codebase", "shop", "deepresearch", "autoresearch"}
 # non-entry module). A module missing from this table is a new one: say where it belongs.
 ALLOWED = {
     "cli": set(), "benchutil": set(), "curriculum": set(),
-    "checkpoint_io": set(),
-    "model": {"checkpoint_io"},                   # model <- generate <- rollout
+    "checkpoint_io": set(), "model_config": set(), "gated_delta": set(),
+    "model": {"checkpoint_io", "model_config", "gated_delta"},   # model <- generate <- rollout
     "generate": {"model"},
     "rollout": {"generate", "model"},
-    "sandbox": set(),                             # sandbox <- workspace <- the environments <- envs
+    "sandbox_helper": set(),                      # runs inside the sandbox: the standard library only
+    "sandbox": {"sandbox_helper"},                # sandbox <- workspace <- the environments <- envs
     "workspace": {"sandbox"},
     **{name: {"workspace", "sandbox"} for name in ENVIRONMENTS},
+    "grader": set(),                              # codebase's trust checks of a pytest run: pure
+    "codebase": {"workspace", "sandbox", "grader"},
     "envs": {"workspace"} | ENVIRONMENTS,
     "rewards": set(),                             # pure functions of numbers and tensors
-    "judge": {"generate", "model"},               # pure, but for its optional local model
-    "ppo": set(),                                 # the learner knows nothing of agents or environments
+    "chat_api": set(),                            # the HTTP client for OpenAI-compatible endpoints
+    "judge": {"generate", "model", "chat_api"},   # pure, but for its optional local and HTTP backends
+    "ppo_loss": set(),                            # the PPO objective: pure functions of tensors
+    "ppo": {"ppo_loss"},                          # the learner knows nothing of agents or environments
+    "warmstart": {"curriculum", "rollout", "ppo", "alchemy"},   # RIME's warm start: scripted rows + sft in the learner
+    "published": set(),                           # the papers' published figures: data only
+    "ablations": {"cli", "benchutil", "published"},   # runs rime.py / camg.py as subprocesses, never imports them
+    "camg_memory": {"rollout"},                   # camg.py's parts: memory modes and the reset protocol,
+    "exchange": {"camg_memory"},                  # the records and the exchange between processes,
+    "camg_eval": {"camg_memory", "exchange", "published", "rewards", "rollout"},   # evaluation and summary,
+    "camg_worker": {"camg_eval", "camg_memory", "exchange", "envs", "model", "rollout"},   # the rollout side
 }
 
 
@@ -89,3 +101,12 @@ def test_the_layers_of_the_house_plan():
     bad = sorted(f"{m} imports {sorted(GRAPH[m] - ok)}" for m, ok in ALLOWED.items()
                  if m in GRAPH and GRAPH[m] - ok)
     assert not bad, "; ".join(bad)
+
+
+def test_the_sandbox_helper_needs_only_the_standard_library():
+    # sandbox.py starts it with `python -I -S`: neither site-packages nor the project are on its path
+    import sys
+    tree = ast.parse(MODULES["sandbox_helper"].read_text())
+    names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert names <= sys.stdlib_module_names, f"sandbox_helper imports {sorted(names - sys.stdlib_module_names)}"

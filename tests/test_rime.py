@@ -12,6 +12,7 @@ import torch
 import envs
 import rime
 import rollout
+import warmstart
 from generate import Completion
 from model import tiny
 
@@ -210,9 +211,11 @@ def test_ablation_switches_change_what_they_say():
     model, tok, env, base, copies = _streams(args)
     assert rime.make_judge(args, tok) is None            # --no-explore: no judge at all
     judge = CountingJudge()
-    kw = dict(max_turns=2, max_new_tokens=4, memory_tokens=8, temperature=1.0)
-    outs = rollout.run_streams(model, tok, env, copies, judge=None, **kw)
-    assert all(e is None for o in outs for e in o.explore)
+    small = rime.parse_args(["--model", "tiny", "--max-turns", "2", "--max-new-tokens", "4", "--memory-tokens", "8"])
+    outs = rime.play_streams(model, model, tok, env, copies, small, temperature=1.0, seed=0)
+    assert all(o.explore == [] for o in outs)                  # nothing is judged inside the stream loop
+    for o in outs:                                               # rl_step with --no-explore: no judge
+        o.explore = [None] * len(o.tasks)
     # make every group's scores differ so that no group is dropped, then check the roles' rows
     for c, o in enumerate(outs):
         for t, ep in enumerate(o.episodes):
@@ -221,7 +224,9 @@ def test_ablation_switches_change_what_they_say():
     actor, writer, parts = rime.rl_rows(outs, groups_of, args, rollout.WRITER_SYSTEM)
     assert actor and writer == [] and parts["explore"] == 0.0    # frozen writer: no writer rows trained
     args2 = rime.parse_args(["--model", "tiny"])
-    outs = rollout.run_streams(model, tok, env, copies, judge=judge, **kw)
+    outs = rime.play_streams(model, model, tok, env, copies, small, temperature=1.0, seed=0)
+    for o in outs:                                               # what rl_step does, next to the rewards
+        o.explore = [judge.score(old, w.memory) for old, w in zip(o.memories, o.writes)]
     assert judge.calls == len(copies) * len(copies[0])          # the judge scores every memory change
     for c, o in enumerate(outs):
         for t, ep in enumerate(o.episodes):
@@ -254,7 +259,7 @@ def test_expert_rows_are_the_rollout_protocol(monkeypatch):
     tasks = env.tasks("train")
     args = rime.parse_args(["--model", "tiny", "--warmstart-mode", "imitation", "--warmstart-streams", "1",
                             "--segment", "1", "--traj-chars", "600"])
-    rows = rime.warmstart_rows(tok, env, tasks, args)
+    rows = warmstart.warmstart_rows(tok, env, tasks, args)
     fmt = rollout.ChatFormat(tok)
     stream = rime.curriculum.make_streams(tasks, 1, order="easy_to_hard", segment=1, seed=0)[0]
     first = env.reference_policy(stream[0])
@@ -307,7 +312,6 @@ def _first_turns(tokens, mask, turns):
 
 def test_warm_start_teaches_the_format():
     """Imitation on expert rows raises held-out format validity from ~0 to > 90% in bounded steps."""
-    import copy
     import random
     from ppo import Learner, make_batch
     torch.manual_seed(0)
@@ -316,11 +320,11 @@ def test_warm_start_teaches_the_format():
     env = envs.make("alchemy", num_trials=1)
     wargs = rime.parse_args(["--model", "tiny", "--warmstart-mode", "imitation", "--warmstart-streams", "16",
                              "--segment", "1", "--traj-chars", "300"])
-    rows = [r for r in rime.warmstart_rows(tok, env, env.tasks("train"), wargs) if r[0][:1]]
+    rows = [r for r in warmstart.warmstart_rows(tok, env, env.tasks("train"), wargs) if r[0][:1]]
     rows = [_first_turns(t, m, 2) for t, m in rows[::2]]    # actor rows: the first two agent turns
     held_out = env.tasks("test")[:6]
     learner = Learner(model, ref_model=None, lr=1e-2, kl_coef=0.0, gradient_checkpointing=False)
-    before = rime.format_validity(learner.gen_model, tok, env, held_out, args, turns=2)
+    before = warmstart.format_validity(learner.gen_model, tok, env, held_out, args, turns=2)
     assert before < 0.2
     rng, after = random.Random(0), before
     for step in range(1, 121):
@@ -328,7 +332,7 @@ def test_warm_start_teaches_the_format():
         learner.update(make_batch([r[0] for r in batch], [[0] * len(r[1]) for r in batch],
                                   sft_mask=[r[1] for r in batch]))
         if step % 20 == 0:
-            after = rime.format_validity(learner.gen_model, tok, env, held_out, args, turns=2)
+            after = warmstart.format_validity(learner.gen_model, tok, env, held_out, args, turns=2)
             print(f"step {step}: validity {after:.2f}")
             if after > 0.9:
                 break
@@ -344,7 +348,7 @@ def test_protocol_warm_start_carries_no_task_knowledge():
     env = envs.make("alchemy", num_trials=1)
     args = rime.parse_args(["--model", "tiny", "--warmstart-streams", "3", "--segment", "1"])
     assert args.warmstart_mode == "protocol"
-    rows = rime.warmstart_rows(tok, env, env.tasks("train"), args)
+    rows = warmstart.warmstart_rows(tok, env, env.tasks("train"), args)
     fmt = rollout.ChatFormat(tok)
     targets = [tok.decode([t for t, m in zip(r[0], r[1]) if m]) for r in rows]
     memories = [x for x in targets if "### Repository Knowledge" in x]
