@@ -24,12 +24,12 @@ interpreter, the test dependencies (at /opt/rime-deps, on PYTHONPATH) and the wo
 this project: not its source, not data/codebase/*.json (patches, test lists), not the cache with
 the pristine sources. Memory: `codebase` (RIME) starts every task with an empty workspace, since
 RIME's memory is the writer's text; `coding` (CAMG) keeps `.agent_memory/` through the episode,
-and from task to task only with keep_memory=True.
+and from task to task only with keep_memory=True (`envs.make("coding", keep_memory=True)`).
 Grading builds its own tree on the host: the agent's package copied next to the pristine, complete
 test files from the cache (for SWE-bench rows: the agent's checkout with the pristine test files
 put back, then test_patch), and runs FAIL_TO_PASS + PASS_TO_PASS there in a fresh sandbox, with
 planted control tests and cross-checks so that a report the tested code forges does not count
-(see "What the grader guarantees" below). Resolution is SWE-bench's: every FAIL_TO_PASS test
+(grader.py says what that guarantees and what it does not). Resolution is SWE-bench's: every FAIL_TO_PASS test
 passes and every PASS_TO_PASS test still passes; a missing package, an error, a timeout or an
 untrusted run is unresolved. (PASS_TO_PASS runs only once every FAIL_TO_PASS test passes: it
 cannot change the verdict otherwise, and it is the slow part.)
@@ -67,13 +67,11 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import threading
-import weakref
-import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from workspace import MEMORY_DIR, Task, read_memory, write_memory
+from grader import distrust, junit_key, parse_python, plant_controls, read_report
+from workspace import MEMORY_DIR, Task, Workspace, WorkspaceEnv
 
 ROOT = Path(__file__).resolve().parent
 DATA_DIR = ROOT / "data" / "codebase"
@@ -255,16 +253,6 @@ def apply_edits(root: Path, edits: list[dict]) -> None:
         path.write_text(text.replace(e["old"], e["new"]))
 
 
-_AST_LOCK = threading.Lock()
-
-
-def parse_python(text: str) -> ast.Module:
-    """ast.parse under a lock: some CPython releases (3.11.7 among them) can fail with "SystemError:
-    AST constructor recursion depth mismatch" when two threads parse at once, and rollout.py resets
-    many environments in threads."""
-    with _AST_LOCK:
-        return ast.parse(text)
-
 
 def hide_tests(root: Path, test_ids: list[str]) -> None:
     """Cut the given test functions (with their decorators) out of the test files under root."""
@@ -358,25 +346,6 @@ def open_sandbox(workdir: Path, env: dict, timeout: float):
 
 
 # ----------------------------------------------------------------------------- grading
-#
-# What the grader guarantees, and what it does not. Grading runs the tests on a copy the grader
-# builds on the host: the agent's package (or, for SWE-bench rows, its checkout with the pristine test
-# files, conftest.py, pytest.ini and tox.ini put back), next to the release's pristine tests, in a
-# fresh directory of a fresh sandbox that the agent never saw and that holds no task data. The code
-# under test runs inside the pytest process, so it can write anything pytest can: the junit report,
-# the output, the exit status. The grader therefore trusts no single channel. It plants control
-# tests with random, plausible names at random places among the real tests, some that must pass and
-# some that must fail, asks for them in a shuffled list with the real ids, and counts the run only
-# when: pytest exits 1 (the must-fail controls fail), the report (at a random name outside the
-# tested tree) has exactly one entry per asked id, every control comes out as planted, and pytest's
-# printed summary agrees with the report. A report forged without running the tests (the known
-# attack: write an all-pass junit file and `os._exit(0)`) fails these checks: it would have to pick
-# out the must-fail controls, 4-8 of 8-16 random names, by chance. What this does not stop: code
-# that reads the planted test files, works out which controls fail, and imitates pytest's report,
-# summary and exit status for them. The controls make that a deliberate program aimed at this grader
-# rather than a cheap trick; a grader that shares no process with the tested code would be needed
-# to rule it out.
-
 @dataclass
 class Grade:
     resolved: bool
@@ -394,118 +363,6 @@ class TestRun:
 
 TestRun.__test__ = False  # not a pytest test class when imported into a test module
 
-
-def _junit_key(test_id: str) -> str:
-    # pytest's junit classname is the node id's path (dots, no .py) plus its classes
-    file, *names = test_id.split("::")
-    return ".".join([file.removesuffix(".py").replace("/", "."), *names[:-1]]) + "::" + names[-1]
-
-
-WORDS = ("value", "empty", "default", "order", "format", "names", "rows", "state", "retry", "result")
-
-
-def _control_test(name: str, must_pass: bool, words: list, rng) -> str:
-    """The source of one control test: a small check in the style of the suite; wrong on purpose
-    when it must fail (the expected value is off)."""
-    a, b, c = rng.sample(range(2, 99), 3)
-    off = rng.choice((-1, 1)) * rng.randint(1, 9)
-    w1, w2 = rng.sample(words, 2) if len(words) >= 2 else ("left", "right")
-    kind = rng.randrange(3)
-    if kind == 0:
-        k = rng.randrange(3)
-        expect = sorted([a, b, c])[k]
-        body = f"    values = [{a}, {b}, {c}]\n    assert sorted(values)[{k}] == {expect if must_pass else expect + off}\n"
-    elif kind == 1:
-        body = (f"    data = {{{w1!r}: {a}, {w2!r}: {b}}}\n"
-                f"    assert data[{w1!r}] + data[{w2!r}] == {a + b if must_pass else a + b + off}\n")
-    else:
-        body = f"    text = \"{w1} {w2}\"\n    assert len(text.split()) == {2 if must_pass else 2 + abs(off)}\n"
-    return f"def {name}():\n{body}"
-
-
-def plant_controls(tree: Path, files: list, rng) -> dict:
-    """Insert 4-8 must-pass and 4-8 must-fail test functions, named from words of the file's own test
-    names, before random top-level statements of the given test files -> {test id: must pass?}."""
-    parsed, words = {}, set()
-    for rel in files:
-        text = (tree / rel).read_text()
-        body = parse_python(text).body
-        names = {n.name for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
-        starts = [min([n.lineno] + [d.lineno for d in n.decorator_list]) for n in body
-                  if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
-        parsed[rel] = (text, names, starts)
-        words |= {w for n in names for w in n.lower().split("_")[1:] if w.isalpha() and len(w) > 2}
-    words = sorted(words) if len(words) >= 4 else list(WORDS)
-    controls, inserts = {}, {rel: [] for rel in files}
-    for must_pass in [True] * rng.randint(4, 8) + [False] * rng.randint(4, 8):
-        rel = rng.choice(files)
-        text, names, starts = parsed[rel]
-        name = "test_" + "_".join(rng.sample(words, rng.randint(2, 3)))
-        while name in names:
-            name += f"_{rng.choice(words)}"
-        names.add(name)
-        controls[f"{rel}::{name}"] = must_pass
-        line = rng.choice(starts) if starts else len(text.splitlines()) + 1
-        inserts[rel].append((line, _control_test(name, must_pass, words, rng)))
-    for rel, items in inserts.items():
-        lines = parsed[rel][0].splitlines(keepends=True)
-        if lines and not lines[-1].endswith("\n"):
-            lines[-1] += "\n"
-        for line, source in sorted(items, key=lambda item: item[0], reverse=True):  # bottom-up: lines stay valid
-            lines[line - 1:line - 1] = ["\n\n" + source + "\n\n"]
-        (tree / rel).write_text("".join(lines))
-    return controls
-
-
-def _read_report(path: Path) -> dict | None:
-    """{junit key: (passed?, seconds)} from a junit report; None when there is no readable one. A key
-    passes iff every entry under it passed (failed subtests count)."""
-    if path.is_symlink() or not path.is_file():
-        return None
-    try:
-        root = ET.parse(path).getroot()
-    except ET.ParseError:
-        return None
-    cases = {}
-    for case in root.iter("testcase"):
-        key = f"{case.get('classname')}::{case.get('name')}"
-        ok = not any(child.tag in ("failure", "error", "skipped") for child in case)
-        was_ok, seconds = cases.get(key, (True, 0.0))
-        try:
-            seconds += float(case.get("time") or 0)
-        except ValueError:
-            pass
-        cases[key] = (was_ok and ok, seconds)
-    return cases
-
-
-def _summary_counts(output: str) -> dict | None:
-    """The counts of pytest's last summary line ("2 failed, 40 passed, 3 subtests passed in 0.52s")."""
-    for line in reversed(output.splitlines()):
-        line = line.strip().strip("=").strip()
-        if re.fullmatch(r"\d+ [a-z ]+(, \d+ [a-z ]+)* in [\d.]+s( \([\d:]+\))?", line):
-            return {word: int(n) for n, word in re.findall(r"(\d+) ([a-z ]+?)(?:,|$)", line.rsplit(" in ", 1)[0])}
-    return None
-
-
-def _distrust(exit_code: int, output: str, cases: dict, asked: list, controls: dict) -> str:
-    """Why a finished run's report cannot be believed, or "" when every cross-check holds."""
-    if exit_code != 1:
-        return f"pytest exit status {exit_code}, expected 1 (some planted checks must fail)"
-    keys = {_junit_key(t) for t in asked}
-    if set(cases) != keys:
-        return f"the report has {len(cases)} entries for {len(keys)} asked tests ({len(keys - set(cases))} missing)"
-    wrong = sum(cases[_junit_key(t)][0] != must_pass for t, must_pass in controls.items())
-    if wrong:
-        return f"{wrong} of {len(controls)} planted checks came out wrong"
-    counts = _summary_counts(output)
-    if counts is None:
-        return "pytest printed no summary line"
-    ran = sum(counts.get(k, 0) for k in ("passed", "failed", "skipped", "xfailed", "xpassed"))
-    errors = counts.get("error", 0) + counts.get("errors", 0)
-    if counts.get("passed", 0) != sum(ok for ok, _ in cases.values()) or not ran <= len(asked) <= ran + errors:
-        return f"pytest's summary {counts} disagrees with its report of {len(asked)} tests"
-    return ""
 
 
 def run_tests(data: dict, stage: Path, test_ids: list[str], command: str, timeout: float) -> TestRun:
@@ -533,13 +390,13 @@ def run_tests(data: dict, stage: Path, test_ids: list[str], command: str, timeou
             res = sb.run(cmd)
         if res.timed_out:
             return replace(none, error="timeout")
-        cases = _read_report(report)
+        cases = read_report(report)
         if cases is None:
             return replace(none, error="pytest wrote no report: " + res.output[-2000:])
-    reason = _distrust(res.exit_code, res.output, cases, asked, controls)
+    reason = distrust(res.exit_code, res.output, cases, asked, controls)
     if reason:
         return replace(none, error=f"grading run untrusted: {reason}")
-    return TestRun({t: cases[_junit_key(t)][0] for t in test_ids}, {t: cases[_junit_key(t)][1] for t in test_ids})
+    return TestRun({t: cases[junit_key(t)][0] for t in test_ids}, {t: cases[junit_key(t)][1] for t in test_ids})
 
 
 TEST_CONFIG = ("conftest.py", "pytest.ini", "tox.ini")   # put back pristine (or removed) before a SWE-bench run
@@ -623,35 +480,27 @@ def _clean_action(action) -> str:
     return text
 
 
-class CodebaseEnv:
+class CodebaseEnv(WorkspaceEnv):
     """RIME's Codebase Adaptation: score = 1 - (solved_step - 1) / 40 when resolved, else 0.
 
     Every task starts in an empty workspace: RIME's memory is the writer's text, given in the prompt,
     so nothing the agent leaves on disk (its `.agent_memory/` included) reaches the next task. The
-    workspace (env.workdir, a temporary directory) is made on first use and removed by close() or
-    when the env is garbage-collected."""
+    workspace (env.workdir, a temporary directory, workspace.Workspace) is made on first use and
+    removed by close() or when the env is garbage-collected; each task gets a fresh sandbox on it."""
 
     name = "codebase"
+    FILE_MEMORY = False   # True in Coding: `.agent_memory/` then follows the workspace's memory rule (keep_memory)
 
     def __init__(self, command_timeout: float = COMMAND_TIMEOUT, grade_timeout: float = GRADE_TIMEOUT,
                  obs_chars: int = OBS_CHARS, max_steps: int = MAX_STEPS, require_cache: bool = True):
         if require_cache:
             require_cache_fn()
-        self._kwargs = dict(command_timeout=command_timeout, grade_timeout=grade_timeout,
-                            obs_chars=obs_chars, max_steps=max_steps, require_cache=require_cache)
-        self.command_timeout, self.grade_timeout, self.obs_chars = command_timeout, grade_timeout, obs_chars
-        self.max_steps = max_steps
+        self.config = dict(command_timeout=command_timeout, grade_timeout=grade_timeout,
+                           obs_chars=obs_chars, max_steps=max_steps, require_cache=require_cache)
+        self.grade_timeout, self.max_steps = grade_timeout, max_steps
+        self.workspace = Workspace(command_timeout, obs_chars=obs_chars, keep_memory=False,
+                                   mounts={DEPS_MOUNT: str(deps_dir())})
         self.task, self.info, self.num_steps, self.done = None, {}, 0, True
-        self._workdir, self._remove_workdir, self._sandbox = None, None, None
-        self._memory_for_next = None   # the files of the last set_memory_files() since the last reset
-
-    @property
-    def workdir(self) -> Path:
-        if self._workdir is None:
-            self._workdir = Path(tempfile.mkdtemp(prefix=f"{self.name}-")).resolve()
-            (self._workdir / MEMORY_DIR).mkdir()
-            self._remove_workdir = weakref.finalize(self, shutil.rmtree, self._workdir, True)
-        return self._workdir
 
     def score(self, resolved: bool, step: int) -> float:
         return 1.0 - (step - 1) / self.max_steps if resolved else 0.0
@@ -660,10 +509,6 @@ class CodebaseEnv:
         assert split in ("train", "test"), f"split must be 'train' or 'test', not {split!r}"
         return [t for t in load_tasks(self.name) if t.split == split]
 
-    def _memory_at_start(self) -> dict:
-        """What `.agent_memory/` holds when the next task starts: nothing, in RIME."""
-        return {}
-
     def _memory_line(self) -> str:
         return ""
 
@@ -671,14 +516,11 @@ class CodebaseEnv:
         kind = task.data.get("kind") if isinstance(task, Task) else None
         if kind not in ("native", "swebench"):
             raise ValueError(f"{self.name}: not a codebase task: {getattr(task, 'id', task)!r}")
-        self._close_sandbox()
-        memory, self._memory_for_next = self._memory_at_start(), None
-        workdir = self.workdir
-        for child in workdir.iterdir():   # a fresh workspace: everything goes, then the memory comes back
-            shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
-        write_memory(workdir, memory)
-        prepare_workspace(task.data, workdir)
-        self._sandbox = open_sandbox(workdir, agent_env(task.data, workdir), self.command_timeout)
+        ws = self.workspace
+        ws.stop()   # the last task's processes end before its files go
+        ws.clear(memory=None if self.FILE_MEMORY else {})
+        prepare_workspace(task.data, ws.workdir)
+        ws.start(agent_env(task.data, ws.workdir))
         self.task, self.num_steps, self.done = task, 0, False
         self.info = {"resolved": False, "success": 0.0, "f2p_frac": 0.0, "solved_step": 0}
         if kind == "native":
@@ -717,9 +559,9 @@ class CodebaseEnv:
                    + ACTIONS.format(example=REPOS.get(self.task.data.get("repo"), REPOS["tablib"]).package))
         else:
             try:
-                res = self._sandbox.run(text)
+                res = self.workspace.run(text)
                 head = "[timed out]\n" if res.timed_out else ""
-                obs = head + _clip(res.output, self.obs_chars).rstrip() + f"\n[exit code {res.exit_code}]"
+                obs = head + _clip(res.output, self.workspace.obs_chars).rstrip() + f"\n[exit code {res.exit_code}]"
             except Exception as exc:  # a command the shell cannot even start must not end the run
                 obs = f"The command could not run: {type(exc).__name__}: {exc}"
         if self.num_steps >= self.max_steps:
@@ -740,52 +582,21 @@ class CodebaseEnv:
         actions = iter([fix, check, "submit"])
         return lambda obs: next(actions, "submit")
 
-    def memory_files(self) -> dict[str, str]:
-        return read_memory(self.workdir)
-
-    def set_memory_files(self, files: dict[str, str]) -> None:
-        """Replace `.agent_memory/` now. In Coding the next reset starts with these files; in RIME's
-        codebase every task still starts empty."""
-        self._memory_for_next = dict(files)
-        write_memory(self.workdir, files)
-
-    def clone(self):
-        return type(self)(**self._kwargs)
-
-    def _close_sandbox(self) -> None:
-        if self._sandbox is not None:
-            self._sandbox.close()
-            self._sandbox = None
-
-    def close(self) -> None:
-        self._close_sandbox()
-        if self._remove_workdir is not None:
-            self._remove_workdir()
-        self._workdir, self._remove_workdir = None, None
-
 
 class CodingEnv(CodebaseEnv):
     """CAMG's Coding environment: the same tasks, 40 steps, explicit submit, score = resolution.
 
     `.agent_memory/` lasts the whole episode (CAMG's context-reset protocol writes CONTINUATION.md
-    there). Across tasks it is blank unless keep_memory=True, which carries the folder from one
-    task to the next on this instance (a stream's file memory); set_memory_files() before a reset
-    always decides what that task starts with (the ablations: blank, shuffled, continuation only)."""
+    there). Across tasks it follows the workspace's memory rule: blank unless keep_memory is set
+    (`envs.make("coding", keep_memory=True)`), which carries the folder from one task to the next on
+    this instance (a stream's file memory); set_memory_files() before a reset always decides what
+    that task starts with (the ablations: blank, shuffled, continuation only)."""
 
     name = "coding"
-
-    def __init__(self, *args, keep_memory: bool = False, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.keep_memory = keep_memory
-        self._kwargs["keep_memory"] = keep_memory
+    FILE_MEMORY = True
 
     def score(self, resolved: bool, step: int) -> float:
         return float(resolved)
-
-    def _memory_at_start(self) -> dict:
-        if self._memory_for_next is not None:
-            return self._memory_for_next
-        return self.memory_files() if self.keep_memory else {}
 
     def _memory_line(self) -> str:
         if self.keep_memory:

@@ -22,13 +22,14 @@ The contract every environment keeps (each lives in its own file, one concept pe
 - `close()` releases what the instance holds (sandbox processes, temporary workspaces).
 - Environments with a shell workspace (codebase, coding, shop, deepresearch, autoresearch) have
   `env.workdir` (pathlib.Path) and a memory folder `.agent_memory/` inside it that survives
-  `reset()` on the same instance, so files written in one task of a stream are there for the next.
+  `reset()` on the same instance while `env.keep_memory` holds (make()'s option, which says each
+  env's default), so files written in one task of a stream are there for the next.
   `memory_files()` returns it as {relative path: text}; `set_memory_files(files)` replaces it
   (blanking and shuffling memory for the ablations go through these two).
 
-What they share lives in workspace.py: `Task`, the memory folder, `Workspace` (this contract once
-for the shell envs), `ShellTaskEnv` (the step loop of Shop, DeepResearch and AutoResearch) and
-`BM25` (the search of the two text environments). The domain files import it from there, and this
+What they share lives in workspace.py: `Task`, the memory folder, `Workspace` and `WorkspaceEnv`
+(this contract once for every shell env), `ShellTaskEnv` (the step loop of Shop, DeepResearch and
+AutoResearch) and `BM25` (the search of the two text environments). The domain files import it from there, and this
 file imports them only inside make(): one direction, no circle.
 """
 
@@ -39,8 +40,20 @@ from workspace import (MEMORY_DIR, MEMORY_FILE_BYTES, MEMORY_TOTAL_BYTES, BM25, 
 ENV_NAMES = ("alchemy", "codebase", "shop", "coding", "deepresearch", "autoresearch")
 
 
-def make(name: str, **kwargs):
-    """Build an environment by name. kwargs go to its constructor (e.g. seed, num_worlds)."""
+def make(name: str, keep_memory: bool | None = None, **kwargs):
+    """Build an environment by name. kwargs go to its constructor (e.g. seed, num_worlds).
+
+    keep_memory: whether `.agent_memory/` carries from one task to the next on this instance (and
+    its clones): True, files written in one task of a stream are there for the next; False, each
+    task starts blank. Either way, set_memory_files() before a reset decides what that task starts
+    with. Every env with a file memory takes it; None keeps its default: True for shop,
+    deepresearch and autoresearch (their tasks build on the notes), False for coding (a bug fix
+    stands alone unless asked). alchemy and codebase have no such option (RIME's memory is the
+    writer's text, given in the prompt): ValueError."""
+    if name not in ENV_NAMES:
+        raise ValueError(f"unknown environment {name!r}; choose one of {', '.join(ENV_NAMES)}")
+    if keep_memory is not None and name in ("alchemy", "codebase"):
+        raise ValueError(f"{name} has no keep_memory option: RIME's memory is the writer's text, not files")
     # plain if/elif with lazy imports: a user who only runs Alchemy never imports the shell envs
     if name == "alchemy":
         from alchemy import AlchemyEnv
@@ -50,14 +63,16 @@ def make(name: str, **kwargs):
         return CodebaseEnv(**kwargs)
     if name == "coding":
         from codebase import CodingEnv
-        return CodingEnv(**kwargs)
-    if name == "shop":
+        env = CodingEnv(**kwargs)
+    elif name == "shop":
         from shop import ShopEnv
-        return ShopEnv(**kwargs)
-    if name == "deepresearch":
+        env = ShopEnv(**kwargs)
+    elif name == "deepresearch":
         from deepresearch import DeepResearchEnv
-        return DeepResearchEnv(**kwargs)
-    if name == "autoresearch":
+        env = DeepResearchEnv(**kwargs)
+    else:
         from autoresearch import AutoResearchEnv
-        return AutoResearchEnv(**kwargs)
-    raise ValueError(f"unknown environment {name!r}; choose one of {', '.join(ENV_NAMES)}")
+        env = AutoResearchEnv(**kwargs)
+    if keep_memory is not None:
+        env.keep_memory = keep_memory
+    return env

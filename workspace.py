@@ -4,8 +4,10 @@
 - the memory folder `.agent_memory/` of a shell workspace: `read_memory` / `write_memory` and
   `read_workspace_file`, which read and replace it from the host without following a link the
   agent planted;
-- `Workspace`: the shell workspace of one env instance, a sandbox whose `.agent_memory/` survives
-  `clear()`, with the agent's view of a command (`shell`);
+- `Workspace`: the shell workspace of one env instance, a directory and a sandbox on it, with the
+  memory rule between tasks (`keep_memory`) and the agent's view of a command (`shell`);
+- `WorkspaceEnv`: that part of the env contract (workdir, memory files, keep_memory, clone, close),
+  kept once for every shell environment (Codebase and Coding included);
 - `ShellTaskEnv`: the step loop that Shop, DeepResearch and AutoResearch share;
 - `BM25` and `tokenize`: the search of the two text environments (Shop, DeepResearch).
 
@@ -17,8 +19,11 @@ import os
 import re
 import shutil
 import stat
+import tempfile
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -126,43 +131,72 @@ def write_memory(workdir, files: dict) -> None:
 
 
 class Workspace:
-    """The shell workspace of one env instance: a sandbox whose `.agent_memory/` survives `clear()`.
+    """The shell workspace of one env instance: a directory holding the `.agent_memory/` folder, and a
+    sandbox whose one writable host directory it is.
 
-    The sandbox starts on the first use of `workdir` (listing tasks needs no shell). `shell(cmd)`
-    gives the agent's view of a command: `$ cmd` (its first ECHO_CHARS characters), its output capped at `obs_chars` (the head, or the
-    head and tail halves if `keep_tail`), then `(exit N)` or `(timed out)` (`(timed out after Ns)` if
-    `say_timeout`)."""
+    The directory is made on the first use of `workdir` (listing tasks needs no shell) and removed by
+    close() or when the Workspace is garbage-collected. The sandbox starts with the first command, or
+    with `start(env)` (which first ends the one running, and every process the last task left there).
+    `clear()` empties the directory for the next task and applies the memory rule, the same in every
+    shell environment: with keep_memory `.agent_memory/` carries over (a stream's file memory),
+    without it the task starts blank; either way, files given to set_memory_files() since the last
+    clear() are what the task starts with (the ablations: blank, shuffled, continuation only).
+    `shell(cmd)` gives the agent's view of a command: `$ cmd` (its first ECHO_CHARS characters), its
+    output capped at `obs_chars` (the head, or the head and tail halves if `keep_tail`), then
+    `(exit N)` or `(timed out)` (`(timed out after Ns)` if `say_timeout`); `run(cmd)` the bare
+    RunResult. mounts: {path inside: host path} shown read-only in the sandbox (sandbox.Sandbox)."""
 
-    def __init__(self, timeout: float, obs_chars: int = 2000, keep_tail: bool = False, say_timeout: bool = False):
+    def __init__(self, timeout: float, obs_chars: int = 2000, keep_tail: bool = False, say_timeout: bool = False,
+                 keep_memory: bool = True, mounts: dict | None = None):
         self.timeout, self.obs_chars, self.keep_tail, self.say_timeout = timeout, obs_chars, keep_tail, say_timeout
-        self.sandbox = None
+        self.keep_memory, self.mounts = keep_memory, dict(mounts or {})
+        self.sandbox, self._workdir, self._remove_workdir, self._memory_given = None, None, None, False
 
     @property
-    def workdir(self):
-        if self.sandbox is None:
-            from sandbox import Sandbox  # imported late: building tasks needs no shell
-            self.sandbox = Sandbox(timeout=self.timeout)
-            (self.sandbox.workdir / MEMORY_DIR).mkdir(exist_ok=True)
-        return self.sandbox.workdir
+    def workdir(self) -> Path:
+        if self._workdir is None:
+            self._workdir = Path(tempfile.mkdtemp(prefix="workspace-")).resolve()
+            (self._workdir / MEMORY_DIR).mkdir()
+            self._remove_workdir = weakref.finalize(self, shutil.rmtree, self._workdir, True)
+        return self._workdir
 
     def memory_files(self) -> dict:
         return read_memory(self.workdir)
 
     def set_memory_files(self, files: dict) -> None:
         write_memory(self.workdir, files)
+        self._memory_given = True
 
-    def clear(self) -> None:
-        """Delete everything but the memory folder: a fresh workspace for the next task."""
+    def clear(self, memory: dict | None = None) -> None:
+        """Delete everything but the memory folder: a fresh workspace for the next task. The memory
+        folder then holds `memory` if given, else what the memory rule (above) says."""
         workdir = self.workdir
         for p in workdir.iterdir():   # a .agent_memory that is not a real directory (a link) goes too
             if p.name != MEMORY_DIR or p.is_symlink() or not p.is_dir():
                 shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-        (workdir / MEMORY_DIR).mkdir(exist_ok=True)
+        if memory is None and not (self.keep_memory or self._memory_given):
+            memory = {}
+        if memory is None:
+            (workdir / MEMORY_DIR).mkdir(exist_ok=True)
+        else:
+            write_memory(workdir, memory)
+        self._memory_given = False
+
+    def start(self, env: dict | None = None) -> None:
+        """A fresh sandbox on the workspace now, with env (extra environment variables) for its commands."""
+        from sandbox import Sandbox  # imported late: building tasks needs no shell
+        self.stop()
+        self.sandbox = Sandbox(timeout=self.timeout, workdir=self.workdir, env=env, mounts=self.mounts)
+
+    def run(self, command: str):
+        """Run a command in the sandbox (started if need be) -> sandbox.RunResult."""
+        if self.sandbox is None:
+            self.start()
+        return self.sandbox.run(command)   # its output is sanitised; a NUL or over-long command gets an explanation
 
     def shell(self, command: str) -> str:
         from sandbox import sanitize
-        self.workdir  # starts the sandbox if this is the first use
-        r = self.sandbox.run(command)   # its output is sanitised; a NUL or over-long command gets an explanation
+        r = self.run(command)
         out, n = r.output, self.obs_chars
         if len(out) > n and self.keep_tail:  # a program's last lines (its score, its error) matter too
             out = out[:n // 2] + "\n...[truncated]...\n" + out[-(n // 2):]
@@ -175,35 +209,36 @@ class Workspace:
         shown = command if len(command) <= ECHO_CHARS else f"{command[:ECHO_CHARS]}... [{len(command):,} characters]"
         return f"$ {sanitize(shown)}\n{out.rstrip()}\n({status})"
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """End the sandbox and every process it started; the files stay."""
         if self.sandbox is not None:
             self.sandbox.close()
             self.sandbox = None
 
+    def close(self) -> None:
+        self.stop()
+        if self._remove_workdir is not None:
+            self._remove_workdir()
+        self._workdir, self._remove_workdir = None, None
 
-class ShellTaskEnv:
-    """The episode loop CAMG's Shop, DeepResearch and AutoResearch share. Each step is either
-    `shell: <command>` (run in the task's Workspace) or one of the env's own actions, handled by its
-    `_act(action)`, which returns an observation, or (observation, reward) for the action that ends the
-    task (buy, answer, evaluate). The episode also ends after max_steps actions.
-    A subclass sets self.task, self.done, self.steps and self.info (with num_shell and num_invalid) in
-    reset(), and names its action forms (VALID_FORMS) and what running out means (OUT_OF_ACTIONS); its
-    constructor sets self.config (its arguments, for clone), self._tasks and self.workspace."""
-    VALID_FORMS = "Valid actions: shell: <command>"
-    OUT_OF_ACTIONS = "nothing submitted"
 
-    def tasks(self, split: str) -> list[Task]:
-        assert split in self._tasks, f"split must be 'train' or 'test', got {split!r}"
-        return list(self._tasks[split])
-
-    def clone(self):
-        return type(self)(**self.config)   # same configuration; worlds and catalogues are cached
-
-    # --- the workspace: files are the memory (the logic lives in Workspace)
+class WorkspaceEnv:
+    """The part of the env contract every shell environment keeps through its Workspace
+    (self.workspace): env.workdir, the memory folder, keep_memory (the memory rule above), clone()
+    (the same configuration, self.config = its constructor's arguments, and the same memory rule)
+    and close()."""
 
     @property
-    def workdir(self):
+    def workdir(self) -> Path:
         return self.workspace.workdir
+
+    @property
+    def keep_memory(self) -> bool:
+        return self.workspace.keep_memory
+
+    @keep_memory.setter
+    def keep_memory(self, keep: bool) -> None:
+        self.workspace.keep_memory = bool(keep)
 
     def memory_files(self) -> dict:
         return self.workspace.memory_files()
@@ -211,8 +246,34 @@ class ShellTaskEnv:
     def set_memory_files(self, files: dict) -> None:
         self.workspace.set_memory_files(files)
 
-    def close(self):
+    def clone(self):
+        twin = type(self)(**self.config)   # the same configuration (worlds and catalogues are cached)
+        twin.keep_memory = self.keep_memory
+        return twin
+
+    def close(self) -> None:
         self.workspace.close()
+
+
+class ShellTaskEnv(WorkspaceEnv):
+    """The episode loop CAMG's Shop, DeepResearch and AutoResearch share. Each step is either
+    `shell: <command>` (run in the task's Workspace) or one of the env's own actions, handled by its
+    `_act(action)`, which returns an observation, or (observation, reward) for the action that ends the
+    task (buy, answer, evaluate). The episode also ends after max_steps actions.
+    A subclass sets self.task, self.done, self.steps and self.info (with num_shell and num_invalid) in
+    reset(), and names its action forms (VALID_FORMS) and what running out means (OUT_OF_ACTIONS); its
+    constructor sets self.config (its arguments, for clone), self._tasks and self.workspace (whose
+    keep_memory defaults to True: notes carry from task to task)."""
+    VALID_FORMS = "Valid actions: shell: <command>"
+    OUT_OF_ACTIONS = "nothing submitted"
+
+    def tasks(self, split: str) -> list[Task]:
+        assert split in self._tasks, f"split must be 'train' or 'test', got {split!r}"
+        return list(self._tasks[split])
+
+    def memory_line(self) -> str:
+        """How the first observation of a task names the memory folder."""
+        return f"Memory folder: {MEMORY_DIR}/ ({'kept across tasks' if self.keep_memory else 'lasts until this task ends'})"
 
     # --- the episode
 
