@@ -42,27 +42,34 @@ def choose(variants: list, only: str, seeds: int, prog: str) -> list:
     return chosen
 
 
-def run_all(program: str, runs: list, root: Path, extra: list, prog: str) -> tuple[dict, list]:
-    """runs: [(run name, flags)], each for seeds 0..n-1 as [(run, flags, seed)] -> ({(run, seed): summary},
-    [one-line failure messages]). Finished runs are read, not redone."""
+def run_all(program: str, runs: list, root: Path, extra: list, prog: str, jobs: int = 1) -> tuple[dict, list]:
+    """runs: [(run name, flags, seed)] -> ({(run, seed): summary}, [one-line failure messages]).
+    Finished runs are read, not redone; `jobs` runs go at once (each a process of its own)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(item):
+        run, fl, seed = item
+        run_dir = root / run / f"seed{seed}"
+        summary, log_path = run_dir / "summary.json", root / run / f"seed{seed}.log"
+        if not summary.exists():
+            run_dir.parent.mkdir(parents=True, exist_ok=True)
+            with open(log_path, "a") as log:
+                code = subprocess.run([sys.executable, str(PROGRAMS[program]), *fl, *extra, "--seed", str(seed),
+                                       "--run-dir", str(run_dir)], stdout=log, stderr=subprocess.STDOUT).returncode
+            if code != 0 or not summary.exists():
+                tail = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()][-1:]
+                return None, (f"{run} seed {seed}: {Path(PROGRAMS[program]).name} exited {code}"
+                              + (f" ({tail[0].strip()[:200]})" if tail else "") + f"; log: {log_path}")
+        return json.loads(summary.read_text()), None
+
     summaries, failures = {}, []
-    with tqdm(total=len(runs), desc=prog) as bar:
-        for run, fl, seed in runs:
-            run_dir = root / run / f"seed{seed}"
-            summary, log_path = run_dir / "summary.json", root / run / f"seed{seed}.log"
-            if not summary.exists():
-                run_dir.parent.mkdir(parents=True, exist_ok=True)
-                with open(log_path, "a") as log:
-                    code = subprocess.run([sys.executable, str(PROGRAMS[program]), *fl, *extra, "--seed", str(seed),
-                                           "--run-dir", str(run_dir)], stdout=log, stderr=subprocess.STDOUT).returncode
-                if code != 0 or not summary.exists():
-                    tail = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()][-1:]
-                    failures.append(f"{run} seed {seed}: {Path(PROGRAMS[program]).name} exited {code}"
-                                    + (f" ({tail[0].strip()[:200]})" if tail else "") + f"; log: {log_path}")
-                    tqdm.write(f"{prog}: error: {failures[-1]}", file=sys.stderr)
-                    bar.update(1)
-                    continue
-            summaries[(run, seed)] = json.loads(summary.read_text())
+    with tqdm(total=len(runs), desc=prog) as bar, ThreadPoolExecutor(max(1, jobs)) as pool:
+        for (run, _, seed), (summary, failure) in zip(runs, pool.map(one, runs)):
+            if failure:
+                failures.append(failure)
+                tqdm.write(f"{prog}: error: {failure}", file=sys.stderr)
+            else:
+                summaries[(run, seed)] = summary
             bar.update(1)
     return summaries, failures
 
@@ -127,16 +134,34 @@ RIME_ABLATIONS = [
 def rime_ablations(args: list) -> None:
     """RIME's ablations at the laptop budget, `--seeds` seeds each: mean ± std of the held-out gain after
     RL and of the RL effect on it (after minus before), rime.py's own evaluation of each trained policy.
-    Extra flags after `--` go to every run (e.g. `-- --steps 8`).
-        python bench.py ablations [--seeds 3] [--only "full RIME,--no-explore"] [--results results/ablations]"""
+    Extra flags after `--` go to every run (e.g. `-- --steps 8`). `--jobs N` runs N at once.
+
+    By default the variants of a seed share one warm start, as the paper's ablations share one base
+    model: a first run per seed (`_warmstart/seed<S>`, `rime.py --steps 0`) warm-starts and evaluates;
+    every variant then starts RL from its weights (`--init-from <it>/final`) and reuses
+    its before-RL evaluation of those very weights (`--before-from`). --no-share-warmstart gives each
+    variant its own warm start (same seed, so the same weights, at 7x the cost).
+        python bench.py ablations [--seeds 3] [--jobs 2] [--only "full RIME,--no-explore"] [--results results/ablations]"""
     prog = "bench.py ablations"
     own, extra = split_extra(args)
-    a = flags(own, prog, seeds=3, results="results/ablations", only="")
+    a = flags(own, prog, seeds=3, results="results/ablations", only="", jobs=1, no_share_warmstart=False)
     chosen = choose(RIME_ABLATIONS, a.only, a.seeds, prog)
     run_of = {name: name.split(" (")[0].strip("-").replace(" ", "_") for name, _, _ in chosen}
     root = Path(a.results)
-    summaries, failures = run_all("rime", [(run_of[n], fl, s) for n, fl, _ in chosen for s in range(a.seeds)],
-                                  root, extra, prog)
+    threads = ["--threads", "1"] if a.jobs > 1 else []      # one core per run
+    start = {s: [] for s in range(a.seeds)}
+    failures = []
+    if not a.no_share_warmstart:
+        warm, failures = run_all("rime", [("_warmstart", extra + ["--steps", "0"] + threads, s) for s in range(a.seeds)],
+                                 root, [], prog, jobs=a.jobs)
+        for s in range(a.seeds):
+            d = root / "_warmstart" / f"seed{s}"
+            start[s] = ["--init-from", str(d / "final"), "--before-from", str(d)] if ("_warmstart", s) in warm else None
+    # the shared start goes after the extra flags: it must win over an --init-from among them
+    runs = [(run_of[n], fl + extra + start[s] + threads, s) for n, fl, _ in chosen for s in range(a.seeds)
+            if start[s] is not None]
+    summaries, more = run_all("rime", runs, root, [], prog, jobs=a.jobs)
+    failures += more
     results = {n: [summaries[(run_of[n], s)]["rl_effect"] for s in range(a.seeds) if (run_of[n], s) in summaries]
                for n, _, _ in chosen}
     rows = [[n, len(results[n]), mean_std([e["gain_after"] for e in results[n]]),

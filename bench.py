@@ -300,7 +300,7 @@ def load_streams(name: str, cfg: Config) -> list:
     else:
         out = []
         for env_name in CAMG_ENVS:
-            env = make(env_name, **({"keep_memory": True} if env_name == "coding" else {}))  # file memory carries along the stream
+            env = make(env_name, keep_memory=True)  # file memory carries along the stream
             test = env.tasks("test")
             stream = make_stream(test, "long", group=test[0].group)[: cfg.camg_tasks]
             out.append((f"camg/{env_name}", env, stream, "files"))

@@ -57,7 +57,7 @@ import judge as judges
 import rewards
 import rollout
 import warmstart
-from model import load, load_named, save, tiny
+from model import load, load_named, load_tokenizer, save, tiny
 from ppo import Learner, checkpoint_path, init_distributed, is_rank0, make_batch, print0, teardown_distributed
 
 # -----------------------------------------------------------------------------
@@ -115,12 +115,14 @@ class Args:
     swebench: str = ""               # --env codebase: evaluate on these SWE-bench JSONL rows instead of the 19-issue stream
     swebench_repos: str = ""         # a git checkout (or a folder of checkouts) holding the rows' base commits, offline
     eval_every: int = 0              # also evaluate every N RL steps (0 = only before and after)
+    init_from: str = ""              # start from this HF policy (e.g. another run's final/); --model still sets the preset's sizes
+    before_from: str = ""            # the run dir that policy came from (trained --steps 0 there): reuse its before-RL evaluation
     checkpoint_every: int = 1        # RL steps between checkpoints
     threads: int = 0                 # CPU threads per process; 0 = auto (1 for tiny/small models: their ops are too small to split)
 
     def __post_init__(self):
-        if self.warmstart_steps < 0:     # auto: the smoke model and codebase skip it
-            self.warmstart_steps = 150 if (self.model != "tiny" and self.env == "alchemy") else 0
+        if self.warmstart_steps < 0:     # auto: the smoke model, codebase and a given start policy skip it
+            self.warmstart_steps = 150 if (self.model != "tiny" and self.env == "alchemy" and not self.init_from) else 0
         if self.model == "tiny":         # the smoke run: the whole pipeline, minimal sizes
             for name, value in dict(streams_per_step=1, group_size=2, segment=1, max_turns=6,
                                     max_new_tokens=16, memory_tokens=48, eval_attempts=1, eval_streams=2).items():
@@ -167,6 +169,11 @@ class Args:
         check(not self.swebench or os.path.isfile(self.swebench), f"--swebench {self.swebench!r}: no such file")
         check(not self.swebench or os.path.isdir(self.swebench_repos),
               "--swebench needs --swebench-repos DIR: the repositories' git checkouts (nothing is fetched)")
+        if self.init_from:
+            cli.check_model_dir(self.init_from, "--init-from")
+        check(not self.before_from or self.init_from, "--before-from reuses the evaluation of an --init-from policy: give both")
+        check(not self.before_from or os.path.isfile(os.path.join(self.before_from, "summary.json")),
+              f"--before-from {self.before_from!r}: no summary.json there (a finished rime.py run dir)")
         check(self.warmstart_steps == 0 or self.env == "alchemy",
               "the warm start imitates the scripted Alchemy writer: use --warmstart-steps 0 with --env codebase")
 
@@ -461,6 +468,8 @@ def setup(args: Args) -> Run:
     torch.manual_seed(args.seed + d.rank)
     random.seed(args.seed + d.rank)
     model, tokenizer = load_model(args.model, args.seed)     # checked before anything is written
+    if args.init_from:                                       # another run's policy (and its tokenizer)
+        model, tokenizer = load(args.init_from), load_tokenizer(args.init_from)
     # the laptop preset plays one Alchemy trial per task (the paper's episodes are longer): short rows
     env = envs.make(args.env, **({"num_trials": 1} if args.env == "alchemy" and args.preset == "laptop" else {}))
     streams = eval_streams(env, args)
@@ -582,6 +591,33 @@ RL_HEALTH = (("score", "score", ".3f"), ("explore", "explore", ".2f"), ("wr", "w
              ("ok", "writer_format_ok", ".2f"), ("kl", "approx_kl", ".4f"), ("s", "step_s", ".0f"))
 
 
+# what the before-RL evaluation depends on, beside the weights and the held-out streams
+EVAL_SETTINGS = ("env", "preset", "eval_temperature", "eval_attempts", "max_turns", "max_new_tokens", "memory_tokens",
+                 "traj_chars", "eval_streams", "eval_segment", "tier", "swebench")
+
+
+def reused_before(run: Run) -> dict:
+    """The before-RL evaluation of another run (--before-from) whose final policy is this run's
+    starting model (--init-from <that run>/final or /warmstart, trained no further there: --steps 0), on
+    the same held-out streams with the same evaluation settings; anything else is a one-line error."""
+    args = run.args
+    src = args.before_from
+    with open(os.path.join(src, "summary.json")) as f:
+        summary = json.load(f)
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    problems = [n for n in EVAL_SETTINGS if config.get(n) != getattr(args, n)]
+    if summary["streams"] != [[t.id for t in s] for s in run.streams]:
+        problems.append("held-out streams")
+    if config.get("steps") != 0 or os.path.realpath(args.init_from) not in {
+            os.path.realpath(os.path.join(src, d)) for d in ("warmstart", "final")}:
+        problems.append("--init-from is not that run's untrained policy (its warmstart/ or final/ with --steps 0)")
+    if problems:
+        cli.fail("rime.py", f"--before-from {src}: differs in {', '.join(problems)}")
+    run.log({"phase": "eval", "step": 0, "reused_from": src, **{k: v for k, v in summary["before"].items() if k != "memories"}})
+    return summary["before"]
+
+
 def main(argv=None) -> Run:
     args = parse_args(argv)
     try:
@@ -591,7 +627,10 @@ def main(argv=None) -> Run:
     t_start = time.time()
     warm_start_phase(run)
     if run.state["eval_before"] is None:
-        run.state["eval_before"] = evaluate_phase(run, 0) if run.d.is_main else {}
+        if args.before_from:
+            run.state["eval_before"] = reused_before(run) if run.d.is_main else {}
+        else:
+            run.state["eval_before"] = evaluate_phase(run, 0) if run.d.is_main else {}
         save_checkpoint(run)
     from tqdm import tqdm
     bar = tqdm(range(run.state["step"], args.steps), desc="RIME RL", disable=not run.d.is_main,
@@ -632,7 +671,7 @@ def report(run: Run, after: dict, wall_s: float) -> None:
     lo, hi = effect["ci95"]
     print(f"\nRL effect on gain: {effect['delta']:+.2f} (95% CI [{lo:+.2f}, {hi:+.2f}], paired over {n} streams)")
     if "memory_accuracy" in after:
-        fmt = lambda xs: " ".join(f"{x:.2f}" for x in xs)   # noqa: E731
+        fmt = lambda xs: " ".join("n/a" if x is None or x != x else f"{x:.2f}" for x in xs)   # noqa: E731  (null: no fact stated)
         print("memory accuracy by stream position (true share of stated potion effects; coverage of the 6):")
         for name, ev in (("before RL", before), ("after RL", after)):
             print(f"  {name}: accuracy {fmt(ev['memory_accuracy'])} | coverage {fmt(ev['memory_coverage'])}")

@@ -408,7 +408,7 @@ def bench_envs(args: list) -> None:
     if "camg" in a.which:
         rows = []
         for name, rand in randoms.items():
-            env = make(name, **({"keep_memory": True} if name == "coding" else {}))
+            env = make(name, keep_memory=True)
             try:
                 tasks = sorted(env.tasks("test"), key=lambda t: (t.group, t.difficulty, t.id))[: a.camg_tasks]
                 t0, res = time.time(), {}

@@ -361,6 +361,15 @@ def test_ablations_table_trains_resumes_and_reports(tmp_path, capsys):
         row = next(l for l in out.splitlines() if l.startswith(f"| {name} |"))
         assert "| 1 |" in row and "±" in row
     assert (tmp_path / "table.md").exists() and (tmp_path / "full_RIME" / "seed0" / "final" / "config.json").exists()
+    # the variants share the seed's warm start and its before-RL evaluation of the same weights
+    warm = json.loads((tmp_path / "_warmstart" / "seed0" / "summary.json").read_text())
+    for run in ("full_RIME", "writer_frozen"):
+        config = json.loads((tmp_path / run / "seed0" / "config.json").read_text())
+        assert config["init_from"] == str(tmp_path / "_warmstart" / "seed0" / "final")
+        summary = json.loads((tmp_path / run / "seed0" / "summary.json").read_text())
+        assert summary["rl_effect"]["gain_before"] == warm["rl_effect"]["gain_before"]
+        first_eval = next(json.loads(l) for l in open(tmp_path / run / "seed0" / "metrics.jsonl") if '"eval"' in l)
+        assert first_eval["reused_from"] == str(tmp_path / "_warmstart" / "seed0")
     logs = {p: p.stat().st_size for p in tmp_path.rglob("seed0.log")}
     bench.main(argv)
     assert {p: p.stat().st_size for p in tmp_path.rglob("seed0.log")} == logs, "finished runs are not rerun"

@@ -118,7 +118,9 @@ def test_bad_config_is_a_clear_error(tmp_path):
     (["--max-turns", "0"], "--max-turns must be >= 1"), (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--memory-tokens", "0"], "--memory-tokens must be >= 1"), (["--eval-streams", "0"], "--eval-streams must be >= 1"),
     (["--warmstart-mode", "copy"], "--warmstart-mode must be protocol or imitation"),
-    (["--eval-temperature", "-1"], "--eval-temperature must be a number in [0")])
+    (["--eval-temperature", "-1"], "--eval-temperature must be a number in [0"),
+    (["--init-from", "/no/such/dir"], "--init-from '/no/such/dir': no such directory"),
+    (["--before-from", "/tmp"], "--before-from reuses the evaluation of an --init-from policy")])
 def test_bad_values_are_one_line_errors(bad, msg, capsys):
     with pytest.raises(SystemExit) as e:
         rime.parse_args(bad)
