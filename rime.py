@@ -313,13 +313,14 @@ def evaluate(model, tokenizer, env, streams, args: Args, writer_model=None) -> d
         with_mem = play_streams(model, writer_model or model, tokenizer, env, streams, args,
                                 temperature=args.eval_temperature, seed=1, on_task=lambda t: bar.update(1))
         flat = [t for s in streams for t in s]
-        scratch = [[] for _ in flat]
+        scratch, scratch_actions = [[] for _ in flat], []
         for a in range(attempts):
             # from scratch: every task with empty memory (the first task of a stream has none either,
             # so under greedy decoding it gains 0 by construction)
             eps = rollout.run_episodes(model, tokenizer, env, flat, memory="", seed=100 + a, **kw)
             for i, ep in enumerate(eps):
                 scratch[i].append(ep.score)
+            scratch_actions = scratch_actions or [ep.actions for ep in eps]
             bar.update(1)
     per_stream, i = [], 0
     for s, o in zip(streams, with_mem):
@@ -334,6 +335,10 @@ def evaluate(model, tokenizer, env, streams, args: Args, writer_model=None) -> d
            "cumulative_gain": mean(gains), "gain_ci95": list(rewards.mean_ci95(gains)[1:]),
            "stream_gains": gains, "gains": [mean(g) for g in zip(*(m.gains for m in per_stream))],
            "validity": 1.0 - invalid / max(turns, 1), "streams": len(streams),
+           # a diagnostic: the share of tasks after the first whose actions with memory differ from
+           # the first from-scratch attempt's (0 under greedy decoding = the actor ignores its memory)
+           "memory_influence": mean(o.episodes[t].actions != scratch_actions[k * len(o.tasks) + t]
+                                    for k, o in enumerate(with_mem) for t in range(1, len(o.tasks))),
            "memories": [[w.memory for w in o.writes] for o in with_mem]}
     if args.env == "alchemy":    # a diagnostic, not a reward: are the written facts true, and how many?
         import alchemy
@@ -670,6 +675,9 @@ def report(run: Run, after: dict, wall_s: float) -> None:
               f"{ev['cumulative_scratch']:.2f} | {ev['cumulative_gain']:+.2f} [{lo:+.2f}, {hi:+.2f}] |")
     lo, hi = effect["ci95"]
     print(f"\nRL effect on gain: {effect['delta']:+.2f} (95% CI [{lo:+.2f}, {hi:+.2f}], paired over {n} streams)")
+    infl = [ev.get("memory_influence") for ev in (before, after)]
+    print("memory influence (share of later tasks whose actions change with memory): "
+          + " -> ".join("n/a" if x is None or x != x else f"{x:.2f}" for x in infl))
     if "memory_accuracy" in after:
         fmt = lambda xs: " ".join("n/a" if x is None or x != x else f"{x:.2f}" for x in xs)   # noqa: E731  (null: no fact stated)
         print("memory accuracy by stream position (true share of stated potion effects; coverage of the 6):")

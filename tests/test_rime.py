@@ -45,6 +45,8 @@ def test_smoke_run(tmp_path):
     effect = summary["rl_effect"]
     assert set(effect) == {"gain_before", "gain_after", "delta", "ci95", "streams"}
     assert effect["streams"] == len(summary["streams"]) and len(effect["ci95"]) == 2
+    assert all(0.0 <= summary[k]["memory_influence"] <= 1.0 for k in ("before", "after"))
+    assert "memory influence" in p.stdout
     # the trained policy in HF format, beside the checkpoint and at the end
     from model import load
     for d in ("final", "policy"):
