@@ -30,6 +30,12 @@ Memory: tasks of a group (a "lab") share these failure modes, so the recipe that
 keeping. The reference policy keeps it in `.agent_memory/notes.md` (`- best recipe: KNOB=value ...`)
 and, when the note exists, applies it first instead of trying recipes one by one.
 
+Relay family (`relay_per_group` > 0, difficulty 3; camg.py's laptop preset): the `note` action shows,
+once per episode, the recipe an earlier run found best (the one the reference accuracy comes from).
+The reference policy reads the note, README.md, train.py and a few data rows, then applies the
+recipe, runs and evaluates; after a context reset the recipe is gone unless CONTINUATION.md carries
+it (an agent could still rediscover it by trying recipes in the actions left). `relay_policy`.
+
 Simplified on purpose: one model family and one metric (accuracy), small data (1,500 training
 rows, 8 columns) so that a run takes well under a second on 2 cores; no leaderboard, no medals.
 """
@@ -159,10 +165,12 @@ class AutoResearchEnv(ShellTaskEnv):
     VALID_FORMS = VALID_FORMS                # shown after an invalid action
     OUT_OF_ACTIONS = "nothing evaluated"
     def __init__(self, seed: int = 0, num_train_groups: int = 16, num_test_groups: int = 11,
-                 tasks_per_group: int = 12, max_steps: int = 20, run_timeout: float = 20.0):
+                 tasks_per_group: int = 12, max_steps: int = 20, run_timeout: float = 20.0,
+                 relay_per_group: int = 0):
         assert tasks_per_group % 3 == 0, "tasks_per_group must be a multiple of 3 (one third per difficulty)"
         self.config = dict(seed=seed, num_train_groups=num_train_groups, num_test_groups=num_test_groups,
-                           tasks_per_group=tasks_per_group, max_steps=max_steps, run_timeout=run_timeout)
+                           tasks_per_group=tasks_per_group, max_steps=max_steps, run_timeout=run_timeout,
+                           relay_per_group=relay_per_group)
         self.seed, self.max_steps, self.run_timeout = seed, max_steps, run_timeout
         self._tasks = {"train": [], "test": []}
         for g in range(num_train_groups + num_test_groups):
@@ -172,7 +180,12 @@ class AutoResearchEnv(ShellTaskEnv):
                 self._tasks[split].append(Task(
                     id=f"autoresearch/lab{g:02d}/t{k:02d}", env="autoresearch", difficulty=difficulty,
                     group=f"lab{g:02d}", split=split, data={"seed": int(seed * 100_003 + g * 1_000 + k)}))
-        self._built = {}  # task id -> (files, hidden test labels, baseline, reference); built on first reset
+            for k in range(relay_per_group):   # the relay family: the recipe is in a lab note shown once
+                self._tasks[split].append(Task(
+                    id=f"autoresearch/lab{g:02d}/relay{k:02d}", env="autoresearch", difficulty=3,
+                    group=f"lab{g:02d}", split=split,
+                    data={"seed": int(seed * 100_003 + g * 1_000 + 500 + k), "kind": 1 + k % 2, "note": True}))
+        self._built = {}  # task id -> (files, hidden labels, baseline, reference, best recipe); built on first reset
         self.workspace = Workspace(run_timeout, obs_chars=2000, keep_tail=True, say_timeout=True)
         self.task, self.info, self.done = None, {}, True
 
@@ -181,14 +194,15 @@ class AutoResearchEnv(ShellTaskEnv):
         if task.id not in self._built:
             seed = task.data["seed"]
             while True:  # redraw the rare dataset where the baseline already matches the reference
-                X, y = make_dataset(seed, task.difficulty)
+                X, y = make_dataset(seed, task.data.get("kind", task.difficulty))
                 a, b = NUM_TRAIN, NUM_TRAIN + NUM_VAL
                 train, val = np.column_stack([X[:a], y[:a]]), np.column_stack([X[a:b], y[a:b]])
                 test_X, test_y = X[b:], y[b:]
                 base_pred, _ = run_script(TRAIN_SCRIPT, train, val, test_X)
                 baseline = float((base_pred == test_y).mean())
                 runs = [run_script(with_settings(TRAIN_SCRIPT, r), train, val, test_X) for r in REFERENCE_RECIPES]
-                best_pred = max(runs, key=lambda r: r[1])[0]   # model selection on validation, as a person would
+                best = max(range(len(runs)), key=lambda i: runs[i][1])   # model selection on validation, as a person would
+                best_pred = runs[best][0]
                 reference = float((best_pred == test_y).mean())
                 if reference - baseline >= 0.05:
                     break
@@ -203,14 +217,16 @@ class AutoResearchEnv(ShellTaskEnv):
                      "data/val.csv": to_csv(val[:, :-1], y[a:b]), "data/test.csv": to_csv(test_X)}
             if len(self._built) >= 8:  # a stream touches one task at a time; keep memory flat
                 self._built.pop(next(iter(self._built)))
-            self._built[task.id] = (files, test_y, baseline, reference)
+            self._built[task.id] = (files, test_y, baseline, reference, REFERENCE_RECIPES[best])
         return self._built[task.id]
 
     # --- episode
 
     def reset(self, task: Task) -> str:
         assert task.env == "autoresearch", f"AutoResearchEnv got a task of env {task.env!r}"
-        files, self.hidden_labels, self.baseline, self.reference = self.build(task)
+        files, self.hidden_labels, self.baseline, self.reference, best = self.build(task)
+        self.note = ("Lab note (shown once): an earlier run found the best recipe: "
+                     + " ".join(f"{k}={v}" for k, v in best.items())) if task.data.get("note") else None
         self.workspace.clear()  # a fresh copy of the task; only the memory folder carries over
         workdir = self.workdir
         for rel, text in files.items():
@@ -225,6 +241,9 @@ class AutoResearchEnv(ShellTaskEnv):
                 f"Memory folder: {MEMORY_DIR}/ (kept across tasks)")
 
     def _act(self, action: str):
+        if self.task.data.get("note") and re.fullmatch(r"note(\[\])?", action, re.I):
+            shown, self.note = self.note, None
+            return shown or "The lab note was shown once already; it is not shown again."
         if re.fullmatch(r"run(\[\])?", action, re.I):
             self.info["num_runs"] += 1
             return self.workspace.shell("python train.py")
@@ -251,12 +270,10 @@ class AutoResearchEnv(ShellTaskEnv):
     # --- scripted reference policy: try known recipes, keep the best in memory, evaluate
 
     def reference_policy(self, task: Task):
+        if task.data.get("note"):
+            return relay_policy(task)
         notes = f"{MEMORY_DIR}/notes.md"
         st = {"todo": None, "results": [], "phase": "start"}
-
-        def sed(recipe: dict) -> str:
-            edits = " ".join(f"-e 's/^{k} = [^ ]*/{k} = {v}/'" for k, v in recipe.items())
-            return f"shell: sed -i {edits} train.py && python train.py"
 
         def policy(obs: str) -> str:
             if st["phase"] == "start":
@@ -290,3 +307,37 @@ class AutoResearchEnv(ShellTaskEnv):
                         f"'- last val accuracy: {best_acc:.4f}' > {notes}")
             return "evaluate"
         return policy
+
+
+def sed(recipe: dict) -> str:
+    """The shell action that applies a recipe to train.py and runs it."""
+    edits = " ".join(f"-e 's/^{k} = [^ ]*/{k} = {v}/'" for k, v in recipe.items())
+    return f"shell: sed -i {edits} train.py && python train.py" if edits else "shell: python train.py"
+
+
+def relay_policy(task: Task):
+    """The reference for a relay task: read the lab note, read README.md, train.py and a few data rows,
+    apply the note's recipe, run, evaluate. It takes the recipe and its progress from any observation
+    that shows them (the note, or a CONTINUATION.md holding the lines notes() gives), so a fresh copy
+    after a context reset resumes from the file."""
+    st = {"recipe": None, "asked": False, "reads": 0, "ran": False}
+    reads = ["shell: cat README.md", "shell: head -n 12 train.py", "shell: head -n 4 data/train.csv"]
+
+    def policy(obs: str) -> str:
+        m = re.search(r"best recipe: ((?:\w+=\S+ ?)+)", obs)
+        if m and st["recipe"] is None:
+            st["recipe"] = dict(re.findall(r"(\w+)=(\S+)", m.group(1)))
+        done = re.search(r"^- progress: reads=(\d) ran=(\d)$", obs, re.M)
+        if done:
+            st["reads"], st["ran"] = max(st["reads"], int(done.group(1))), st["ran"] or done.group(2) == "1"
+        st["ran"] = st["ran"] or "val accuracy" in obs
+        if st["recipe"] is None and not st["asked"]:
+            st["asked"] = True
+            return "note"
+        if st["reads"] < len(reads):
+            st["reads"] += 1
+            return reads[st["reads"] - 1]
+        return "evaluate" if st["ran"] else sed(st["recipe"] or {})
+    policy.notes = lambda: ([f"- best recipe: {' '.join(f'{k}={v}' for k, v in st['recipe'].items())}"]
+                            if st["recipe"] else []) + [f"- progress: reads={st['reads']} ran={int(st['ran'])}"]
+    return policy

@@ -27,6 +27,11 @@ where it is based) recur in later tasks of the stream. The reference policy keep
 `.agent_memory/facts.md`, one line per fact: `- <relation> of <entity>: <value>`, reads the file
 first (`shell: tail -n 40 ...`) and skips the hops it already knows.
 
+Relay family (`relay_per_region` > 0, difficulty 3; camg.py's laptop preset): a 4-hop question about
+"the person in the memo"; `memo[]` names them, once per episode. After a context reset the start
+person (and the hops found) are gone unless written to CONTINUATION.md and read back: the task is
+solved only through the file. `relay_policy` is its reference.
+
 Hidden: the answer lives only in the env's memory; the corpus is reached through search/open and
 never written to the workspace. Difficulty = hops - 2 (0, 1, 2).
 Simplified on purpose: templated sentences, no paraphrase or conflicting sources, one answer.
@@ -60,6 +65,7 @@ PATTERNS = {"birthplace": r"was born in ([^.]+?) in \d{4}\.", "employer": r"work
             "location": r"is located in ([^.]+?)\.", "country": r"is a city in ([^.]+?)\.",
             "capital": r"Its capital is ([^.]+?)\."}
 ACTIONS_LINE = "Actions: search[query] | open[doc id] | answer[text] | shell: <command>"
+MEMO_RE = r"the person in question is ([^.\n]+)\."
 VALID_FORMS = "Valid actions: search[query] | open[<doc id>] | answer[<text>] | shell: <command>"
 
 
@@ -197,20 +203,21 @@ class DeepResearchEnv(ShellTaskEnv):
     OUT_OF_ACTIONS = "no answer"
     def __init__(self, seed: int = 0, num_countries: int = 30, people_per_country: int = 25,
                  num_test_regions: int = 11, tasks_per_region: int = 12, max_steps: int = 20,
-                 partial_credit: float = 0.5, shell_timeout: float = 10.0):
+                 partial_credit: float = 0.5, shell_timeout: float = 10.0, relay_per_region: int = 0):
         assert num_test_regions < num_countries, "need at least one training region"
         assert tasks_per_region % 3 == 0, "tasks_per_region must be a multiple of 3 (one third per hop count)"
         self.config = dict(seed=seed, num_countries=num_countries, people_per_country=people_per_country,
                            num_test_regions=num_test_regions, tasks_per_region=tasks_per_region,
-                           max_steps=max_steps, partial_credit=partial_credit, shell_timeout=shell_timeout)
+                           max_steps=max_steps, partial_credit=partial_credit, shell_timeout=shell_timeout,
+                           relay_per_region=relay_per_region)
         self.seed, self.max_steps, self.partial_credit, self.shell_timeout = seed, max_steps, partial_credit, shell_timeout
         self.ents, countries, self.doc_ids, self.docs, self.bm25 = build_world(seed, num_countries, people_per_country)
         self.doc_index = {d: i for i, d in enumerate(self.doc_ids)}
-        self._tasks = self._make_tasks(countries, num_test_regions, tasks_per_region)
+        self._tasks = self._make_tasks(countries, num_test_regions, tasks_per_region, relay_per_region)
         self.workspace = Workspace(shell_timeout, obs_chars=2000)
         self.task, self.info, self.done = None, {}, True
 
-    def _make_tasks(self, countries, num_test, per_region):
+    def _make_tasks(self, countries, num_test, per_region, relay_per_region):
         rng = np.random.default_rng([self.seed, 1])
         tasks = {"train": [], "test": []}
         for r, country in enumerate(countries):
@@ -228,6 +235,21 @@ class DeepResearchEnv(ShellTaskEnv):
                                          group=f"region{r:02d}", split=split,
                                          data={"question": text, "path": path, "answer": answer}))
                 k += 1
+            k = 0
+            while k < relay_per_region:   # the relay family: the start person is in a memo shown once
+                start = people[int(rng.integers(len(people)))]
+                q = make_question(rng, self.ents, start, 4)
+                if q is None or q[0] in seen:
+                    continue
+                seen.add(q[0])
+                text, path, answer = q
+                question = text.replace(f" of {start}?", " of the person in the memo? "
+                                        "(memo[] shows who it is, only once)")
+                tasks[split].append(Task(id=f"deepresearch/r{r:02d}/relay{k:02d}", env="deepresearch", difficulty=3,
+                                         group=f"region{r:02d}", split=split,
+                                         data={"question": question, "path": path, "answer": answer,
+                                               "memo": f"Memo (shown once): the person in question is {start}."}))
+                k += 1
         return tasks
 
     # --- episode
@@ -235,13 +257,18 @@ class DeepResearchEnv(ShellTaskEnv):
     def reset(self, task: Task) -> str:
         assert task.env == "deepresearch", f"DeepResearchEnv got a task of env {task.env!r}"
         self.workspace.clear()  # only the memory folder carries over between tasks
-        self.task, self.done, self.steps = task, False, 0
+        self.task, self.done, self.steps, self.memo_shown = task, False, 0, False
         self.info = {"success": False, "em": 0.0, "f1": 0.0, "hops": len(task.data["path"]), "steps": 0,
                      "num_shell": 0, "num_invalid": 0}
         return (f"Question: {task.data['question']}\n{ACTIONS_LINE}\n"
                 f"Corpus: {len(self.docs)} documents. Memory folder: {MEMORY_DIR}/ (kept across tasks)")
 
     def _act(self, action: str):
+        if "memo" in self.task.data and re.fullmatch(r"memo(\[\s*\])?", action, re.I):
+            if self.memo_shown:
+                return "The memo was shown once already; it is not shown again."
+            self.memo_shown = True
+            return self.task.data["memo"]
         m = re.fullmatch(r"(search|open|answer)\[(.*)\]", action, re.S | re.I)
         if not m:
             return self._invalid(f"Unknown action {action[:80]!r}.")
@@ -270,30 +297,10 @@ class DeepResearchEnv(ShellTaskEnv):
     # --- scripted reference policy: follow the chain, one search and one open per unknown hop
 
     def reference_policy(self, task: Task):
+        if "memo" in task.data:
+            return relay_policy(task)
         facts_file = f"{MEMORY_DIR}/facts.md"
         st = {"chain": None, "known": None, "hop": 0, "entity": None, "new": [], "tries": 0, "stage": "start"}
-
-        def title_for(entity, rel):
-            if RELATIONS[rel][0] == "person":
-                return f"{entity}: career" if rel == "employer" else f"{entity}: early life"
-            return entity
-
-        def next_action():
-            while st["hop"] < len(st["chain"]):   # use remembered facts first
-                rel = st["chain"][st["hop"]]
-                known = st["known"].get((rel, st["entity"]))
-                if known is None:
-                    if st["tries"] >= 3:          # the page is not found: answer with the best guess
-                        return f"answer[{st['entity']}]"
-                    st["stage"], st["tries"] = "search", st["tries"] + 1
-                    query = title_for(st["entity"], rel).replace(":", "")
-                    return f"search[{query}]" if st["tries"] <= 2 else f"search[{st['entity']}]"
-                st["entity"], st["hop"], st["tries"] = known, st["hop"] + 1, 0
-            if st["new"] and st["stage"] != "saved":
-                st["stage"] = "saved"
-                lines = " ".join(f"'- {r} of {e}: {v}'" for r, e, v in st["new"])
-                return f"shell: printf '%s\\n' {lines} >> {facts_file}"
-            return f"answer[{st['entity']}]"
 
         def policy(obs: str) -> str:
             if st["chain"] is None:
@@ -304,21 +311,81 @@ class DeepResearchEnv(ShellTaskEnv):
                 st["chain"], st["entity"] = list(reversed(parts)), m.group(2)
                 return f"shell: tail -n 40 {facts_file}"
             if st["known"] is None:               # the answer to `tail`: facts from earlier tasks
-                st["known"] = {(r, e): v for r, e, v in re.findall(r"^- (\w+) of (.+?): (.+)$", obs, re.M)}
-                return next_action()
-            rel = st["chain"][min(st["hop"], len(st["chain"]) - 1)]
-            if st["stage"] == "search" and obs.startswith("Results for"):
-                want = title_for(st["entity"], rel)
-                for doc_id, title in re.findall(r"^\[(d\d+)\] (.+)$", obs, re.M):
-                    if title == want:
-                        st["stage"] = "open"
-                        return f"open[{doc_id}]"
-                return next_action()
-            if st["stage"] == "open":
-                m = re.search(PATTERNS[rel], obs)
-                if m:
-                    st["known"][(rel, st["entity"])] = m.group(1)
-                    st["new"].append((rel, st["entity"], m.group(1)))
-                return next_action()
-            return next_action()
+                st["known"] = dict(known_facts(obs))
+                return next_hop(st, facts_file)
+            return chain_step(st, obs, facts_file)
         return policy
+
+
+def known_facts(text: str) -> dict:
+    """Fact lines `- <relation> of <entity>: <value>` in a text -> {(relation, entity): value}."""
+    return {(r, e): v for r, e, v in re.findall(r"^- (\w+) of (.+?): (.+)$", text, re.M)}
+
+
+def title_for(entity: str, rel: str) -> str:
+    """The title of the page that states `rel` of `entity`."""
+    if RELATIONS[rel][0] == "person":
+        return f"{entity}: career" if rel == "employer" else f"{entity}: early life"
+    return entity
+
+
+def next_hop(st: dict, facts_file: str | None) -> str:
+    """The reference's next action along its chain: skip the hops it knows, search for the next one;
+    at the end save the new facts to facts_file (None: nothing saved) and answer."""
+    while st["hop"] < len(st["chain"]):   # use remembered facts first
+        rel = st["chain"][st["hop"]]
+        known = st["known"].get((rel, st["entity"]))
+        if known is None:
+            if st["tries"] >= 3:          # the page is not found: answer with the best guess
+                return f"answer[{st['entity']}]"
+            st["stage"], st["tries"] = "search", st["tries"] + 1
+            query = title_for(st["entity"], rel).replace(":", "")
+            return f"search[{query}]" if st["tries"] <= 2 else f"search[{st['entity']}]"
+        st["entity"], st["hop"], st["tries"] = known, st["hop"] + 1, 0
+    if facts_file and st["new"] and st["stage"] != "saved":
+        st["stage"] = "saved"
+        lines = " ".join(f"'- {r} of {e}: {v}'" for r, e, v in st["new"])
+        return f"shell: printf '%s\\n' {lines} >> {facts_file}"
+    return f"answer[{st['entity']}]"
+
+
+def chain_step(st: dict, obs: str, facts_file: str | None) -> str:
+    """React to a search result (open the wanted page) or an opened page (read the fact), then go on."""
+    rel = st["chain"][min(st["hop"], len(st["chain"]) - 1)]
+    if st["stage"] == "search" and obs.startswith("Results for"):
+        want = title_for(st["entity"], rel)
+        for doc_id, title in re.findall(r"^\[(d\d+)\] (.+)$", obs, re.M):
+            if title == want:
+                st["stage"] = "open"
+                return f"open[{doc_id}]"
+    elif st["stage"] == "open":
+        m = re.search(PATTERNS[rel], obs)
+        if m:
+            st["known"][(rel, st["entity"])] = m.group(1)
+            st["new"].append((rel, st["entity"], m.group(1)))
+    return next_hop(st, facts_file)
+
+
+def relay_policy(task: Task):
+    """The reference for a relay task: read the memo (the start person), then follow the chain. It takes
+    the person and the facts found from any observation that shows them (the memo, or a CONTINUATION.md
+    holding the lines notes() gives), so a fresh copy after a context reset resumes from the file."""
+    st = {"chain": list(task.data["path"]), "known": {}, "hop": 0, "entity": None, "new": [], "tries": 0,
+          "stage": "start", "asked": False}
+
+    def policy(obs: str) -> str:
+        m = re.search(MEMO_RE, obs)
+        if m and st["entity"] is None:
+            st["entity"] = st["start"] = m.group(1)
+            st["known"].update(known_facts(obs))
+            st["new"] += [(r, e, v) for (r, e), v in known_facts(obs).items()]
+            return next_hop(st, None)
+        if st["entity"] is None:
+            if st["asked"]:
+                return "answer[unknown]"
+            st["asked"] = True
+            return "memo[]"
+        return chain_step(st, obs, None)
+    policy.notes = lambda: ([f"- memo: the person in question is {st['start']}."] if st.get("start") else []) + \
+        [f"- {r} of {e}: {v}" for r, e, v in st["new"]]
+    return policy

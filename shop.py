@@ -34,6 +34,12 @@ agent satisfy the hard ones later in the stream. The reference policy does exact
 `shell:` actions. Difficulty: 0 = one attribute, preferences stated; 1 = two attributes, no brand;
 2 = two attributes, usual size and brand taken from memory.
 
+Relay family (`relay_per_shopper` > 0, difficulty 3; camg.py's laptop preset): the instruction gives the
+category, attributes and price limit, and says the options are on the shopping note, `click[note]`,
+shown once per episode (it lists options for every category: the agent finds its own). Under a small
+context budget the note is gone after a CONTINUATION.md reset, so the task is solved only if the
+options are written down before the reset and read back after it. `relay_policy` is its reference.
+
 Simplified on purpose: no free-text descriptions, reviews or images; one catalogue per seed shared
 by both splits (the shoppers are split, not the products); no human instructions.
 """
@@ -184,21 +190,22 @@ class ShopEnv(ShellTaskEnv):
     OUT_OF_ACTIONS = "nothing bought"
     def __init__(self, seed: int = 0, num_products: int = 1200, num_train_shoppers: int = 24,
                  num_test_shoppers: int = 11, tasks_per_shopper: int = 12, max_steps: int = 20,
-                 page_size: int = 5, shell_timeout: float = 10.0):
+                 page_size: int = 5, shell_timeout: float = 10.0, relay_per_shopper: int = 0):
         assert num_products >= len(CATEGORIES) * 20, \
             f"num_products={num_products} is too small: use at least 20 per category ({len(CATEGORIES) * 20})"
         assert tasks_per_shopper % 3 == 0, "tasks_per_shopper must be a multiple of 3 (one third per difficulty)"
         self.config = dict(seed=seed, num_products=num_products, num_train_shoppers=num_train_shoppers,
                            num_test_shoppers=num_test_shoppers, tasks_per_shopper=tasks_per_shopper,
-                           max_steps=max_steps, page_size=page_size, shell_timeout=shell_timeout)
+                           max_steps=max_steps, page_size=page_size, shell_timeout=shell_timeout,
+                           relay_per_shopper=relay_per_shopper)
         self.seed, self.max_steps, self.page_size, self.shell_timeout = seed, max_steps, page_size, shell_timeout
         self.products, self.bm25 = build_catalogue(seed, num_products)
         self.by_id = {p.id: p for p in self.products}
-        self._tasks = self._make_tasks(num_train_shoppers, num_test_shoppers, tasks_per_shopper)
+        self._tasks = self._make_tasks(num_train_shoppers, num_test_shoppers, tasks_per_shopper, relay_per_shopper)
         self.workspace = Workspace(shell_timeout, obs_chars=1500)
         self.task, self.info, self.done = None, {}, True
 
-    def _make_tasks(self, num_train, num_test, per_shopper):
+    def _make_tasks(self, num_train, num_test, per_shopper, relay_per_shopper):
         rng = np.random.default_rng([self.seed, 1])
         tasks = {"train": [], "test": []}
         for s in range(num_train + num_test):
@@ -210,6 +217,20 @@ class ShopEnv(ShellTaskEnv):
                 goal = make_goal(rng, self.products, shopper, difficulty)
                 tasks[split].append(Task(id=f"shop/{shopper['id']}/t{k:02d}", env="shop", difficulty=difficulty,
                                          group=shopper["id"], split=split, data={"goal": goal, "shopper": shopper}))
+            for k in range(relay_per_shopper):     # the relay family: the options are on a note shown once
+                goal = make_goal(rng, self.products, shopper, 1)
+                article = "an" if goal["category"][0] in "aeiou" else "a"
+                goal["instruction"] = (f"buy {article} {goal['category']} that is {' and '.join(goal['attributes'])}; "
+                                       f"price under ${goal['price_limit']:.2f} (note: the options I want are on my "
+                                       "shopping note: click[note], shown only once)")
+                lists = {c: {n: vals[int(rng.integers(len(vals)))] for n, vals in CATEGORIES[c][1].items()}
+                         for c in CATEGORIES}   # the note covers every category: the agent finds its own
+                lists[goal["category"]] = goal["options"]
+                note = "Shopping note (shown once): " + "; ".join(
+                    f"for the {c}: " + " ".join(f"{k_}={v}" for k_, v in o.items()) for c, o in lists.items())
+                tasks[split].append(Task(id=f"shop/{shopper['id']}/relay{k:02d}", env="shop", difficulty=3,
+                                         group=shopper["id"], split=split,
+                                         data={"goal": goal, "shopper": shopper, "note": note}))
         return tasks
 
     # --- episode
@@ -219,11 +240,17 @@ class ShopEnv(ShellTaskEnv):
         self.workspace.clear()  # a fresh page for the task; only the memory folder carries over
         self.task, self.goal, self.done, self.steps = task, task.data["goal"], False, 0
         self.page, self.results, self.result_page, self.item, self.selected = "search", [], 0, None, {}
+        self.note_shown = False
         self.info = {"success": False, "reward": 0.0, "steps": 0, "num_shell": 0, "num_invalid": 0}
         return (f"Instruction: {self.goal['instruction']}\nPage: search\n{ACTIONS_LINE}\n"
                 f"Memory folder: {MEMORY_DIR}/ (kept across tasks)")
 
     def _act(self, action: str):
+        if "note" in self.task.data and re.fullmatch(r"click\[\s*note\s*\]", action, re.I):
+            if self.note_shown:
+                return "The shopping note was shown once already; it is not shown again."
+            self.note_shown = True
+            return self.task.data["note"]
         m = re.fullmatch(r"search\[(.*)\]", action, re.S | re.I)
         if m:
             if not tokenize(m.group(1)):
@@ -306,6 +333,8 @@ class ShopEnv(ShellTaskEnv):
     # --- scripted reference policy: reads the instruction, keeps preferences in memory, shops
 
     def reference_policy(self, task: Task):
+        if "note" in task.data:
+            return relay_policy(task)
         st = {"goal": None, "prefs": None, "tried": set(), "pages_seen": 0, "fallback": False}
         pref_file = f"{MEMORY_DIR}/preferences.md"
 
@@ -321,37 +350,79 @@ class ShopEnv(ShellTaskEnv):
                     st["prefs"] = new
                     lines = " ".join(f"'- {k}: {v}'" for k, v in sorted(new.items()))
                     return f"shell: printf '%s\\n' '# shopper preferences' {lines} > {pref_file}"
-            if obs.startswith("$ ") or obs.startswith("Instruction"):
-                return f"search[{search_query(goal, st['prefs'])}]"
-            if obs.startswith("Results for"):
-                want = wanted(goal, st["prefs"])
-                listings = re.findall(r"^\[(B\d+)\] (.*) \| \$([\d.]+)$", obs, re.M)
-                for pid, title, price in listings:
-                    fits = (all(f" {a} " in f" {title} " for a in want["attributes"])
-                            and float(price) <= goal["price_limit"]
-                            and (not want["brand"] or title.startswith(want["brand"] + " "))
-                            and title.endswith(" " + goal["category"]))
-                    if pid not in st["tried"] and (fits or st["fallback"]):
-                        st["tried"].add(pid)
-                        return f"click[{pid}]"
-                m = re.search(r"\(page (\d+)/(\d+)\)", obs)
-                st["pages_seen"] += 1
-                if m and int(m.group(1)) < int(m.group(2)) and st["pages_seen"] < 4:
-                    return "click[next]"
-                st["fallback"], st["pages_seen"] = True, 0   # no perfect listing: take the best we can
-                return f"search[{search_query(goal, st['prefs'])}]"
-            if obs.startswith("[B"):                   # an item page: pick the options, then buy
-                want = wanted(goal, st["prefs"])
-                offered = dict(re.findall(r"^(\w+): (.*)$", obs, re.M))
-                selected = dict(re.findall(r"(\w+)=(\S+)", obs.split("selected:")[-1]))
-                if not st["fallback"] and any(v not in offered.get(k, "").split() for k, v in want["options"].items()):
-                    return "click[back]"
-                for name, value in want["options"].items():
-                    if selected.get(name) != value and value in offered.get(name, "").split():
-                        return f"click[{value}]"
-                return "buy"
-            return f"search[{search_query(goal, st['prefs'])}]"
+            return browse(st, goal, st["prefs"], obs)
         return policy
+
+
+def relay_policy(task: Task):
+    """The reference for a relay task: read the note, then shop for those options. It reads the options
+    (and the item page it was on: the shop's page survives a context reset) from any observation that
+    shows them (the note, or a CONTINUATION.md holding the lines notes() gives), so a fresh copy after
+    a context reset resumes from the carried file."""
+    goal = parse_instruction(f"Instruction: {task.data['goal']['instruction']}")
+    st = {"opts": None, "asked": False, "page": None, "tried": set(), "pages_seen": 0, "fallback": False}
+
+    def policy(obs: str) -> str:
+        m = (re.search(rf"for the {re.escape(goal['category'])}:((?: \w+=[^\s;]+)+)", obs)
+             or re.search(r"^- shopping note:((?: \w+=\S+)+)$", obs, re.M))
+        if m and st["opts"] is None:
+            st["opts"] = dict(re.findall(r"(\w+)=(\S+)", m.group(1)))
+        if st["opts"] is None and not st["asked"]:
+            st["asked"] = True
+            return "click[note]"
+        browsing = re.search(r"^- browsing: pages_seen=(\d+) fallback=(\d) tried=(.*)$", obs, re.M)
+        if browsing and st["page"] is None:          # resume: what was tried, and the page the shop still shows
+            st.update(pages_seen=int(browsing.group(1)), fallback=browsing.group(2) == "1",
+                      tried=set(browsing.group(3).split()))
+            carried = re.search(r"^- item page: (.*)$", obs, re.M)
+            obs = carried.group(1).replace(" || ", "\n") if carried else obs
+        st["page"] = obs.split("\nActions:")[0] if obs.startswith("[B") else ""
+        return browse(st, {**goal, "fields": st["opts"] or {}}, {}, obs)
+    def absorb(obs: str) -> None:                    # see an observation without acting on it
+        m = re.search(rf"for the {re.escape(goal['category'])}:((?: \w+=[^\s;]+)+)", obs)
+        st["opts"] = st["opts"] or (dict(re.findall(r"(\w+)=(\S+)", m.group(1))) if m else None)
+        st["page"] = obs.split("\nActions:")[0] if obs.startswith("[B") else ""
+    policy.absorb = absorb
+    policy.notes = lambda: ([f"- shopping note: {' '.join(f'{k}={v}' for k, v in st['opts'].items())}",
+                             f"- browsing: pages_seen={st['pages_seen']} fallback={int(st['fallback'])} "
+                             f"tried={' '.join(sorted(st['tried']))}"] if st["opts"] else []) + \
+        ([f"- item page: {st['page'].replace(chr(10), ' || ')}"] if st["page"] else [])
+    return policy
+
+
+def browse(st: dict, goal: dict, prefs: dict, obs: str) -> str:
+    """The reference shopper's next action from a page: search, pick a fitting listing, choose the
+    options, buy. st: {"tried", "pages_seen", "fallback"}, kept across calls."""
+    if obs.startswith("$ ") or obs.startswith("Instruction"):
+        return f"search[{search_query(goal, prefs)}]"
+    if obs.startswith("Results for"):
+        want = wanted(goal, prefs)
+        listings = re.findall(r"^\[(B\d+)\] (.*) \| \$([\d.]+)$", obs, re.M)
+        for pid, title, price in listings:
+            fits = (all(f" {a} " in f" {title} " for a in want["attributes"])
+                    and float(price) <= goal["price_limit"]
+                    and (not want["brand"] or title.startswith(want["brand"] + " "))
+                    and title.endswith(" " + goal["category"]))
+            if pid not in st["tried"] and (fits or st["fallback"]):
+                st["tried"].add(pid)
+                return f"click[{pid}]"
+        m = re.search(r"\(page (\d+)/(\d+)\)", obs)
+        st["pages_seen"] += 1
+        if m and int(m.group(1)) < int(m.group(2)) and st["pages_seen"] < 4:
+            return "click[next]"
+        st["fallback"], st["pages_seen"] = True, 0   # no perfect listing: take the best we can
+        return f"search[{search_query(goal, prefs)}]"
+    if obs.startswith("[B"):                   # an item page: pick the options, then buy
+        want = wanted(goal, prefs)
+        offered = dict(re.findall(r"^(\w+): (.*)$", obs, re.M))
+        selected = dict(re.findall(r"(\w+)=(\S+)", obs.split("selected:")[-1]))
+        if not st["fallback"] and any(v not in offered.get(k, "").split() for k, v in want["options"].items()):
+            return "click[back]"
+        for name, value in want["options"].items():
+            if selected.get(name) != value and value in offered.get(name, "").split():
+                return f"click[{value}]"
+        return "buy"
+    return f"search[{search_query(goal, prefs)}]"
 
 
 def parse_instruction(obs: str) -> dict:

@@ -46,7 +46,7 @@ def test_tasks_are_seeded_and_split(env):
     b = AutoResearchEnv(seed=0).build(test[0])
     assert a[0] == b[0] and np.array_equal(a[1], b[1]) and a[2:] == b[2:], "not deterministic"
     for t in test[::12]:
-        _, labels, baseline, reference = env.build(t)
+        _, labels, baseline, reference, _ = env.build(t)
         assert labels.shape == (NUM_TEST,) and reference - baseline >= 0.05
 
 
@@ -129,3 +129,25 @@ def test_memory_survives_reset(env):
     env.reset(tasks[1])
     assert env.memory_files() == {"notes.md": "- best recipe: LR=0.1\n- tried poly\n"}
     assert not (env.workdir / "scratch.txt").exists() and (env.workdir / "train.py").read_text() == TRAIN_SCRIPT
+
+
+# ----------------------------------------------------------------------------- the relay family (CAMG's laptop preset)
+
+
+def test_relay_tasks_need_the_fact_carried_across_a_context_reset():
+    """At camg.py's preset (context budget, turns, reply length, its "small" BPE) the reference policy,
+    knowing only its current context, solves every sampled relay task, most of them through a reset;
+    the same policy without CONTINUATION.md (it starts over after a reset) fails every task it resets in."""
+    import camg
+    import camg_worker
+    cfg, tok = camg.Config(), camg_worker.small_tokenizer()
+    proto = camg_worker.make_env("autoresearch", "relay")
+    tasks = proto.tasks("test")
+    assert tasks and {t.difficulty for t in tasks} == {3}
+    carried, outcomes = camg_worker.reference_episodes(proto, tasks[::2][:16], tok, cfg)
+    assert all(ep.info.get("success") for ep in carried), [ep.task.id for ep in carried if not ep.info.get("success")]
+    assert sum(ep.num_resets > 0 for ep in carried) >= len(carried) / 2
+    assert all(o["before"] == "written" and o["read"] for out in outcomes for o in out)
+    lost, _ = camg_worker.reference_episodes(camg_worker.make_env("autoresearch", "relay"), tasks[:24], tok, cfg, carry=False)
+    reset = [ep for ep in lost if ep.num_resets]
+    assert reset and not any(ep.info.get("success") for ep in reset)

@@ -15,7 +15,11 @@ import pytest
 import torch
 
 import camg
+import camg_eval
+import camg_memory
+import camg_worker
 import rollout
+from camg_memory import ProtocolEnv, is_memory_action, memory_action_masks, reads_continuation
 from envs import Task
 from ppo import Learner, make_batch
 from sandbox import Sandbox
@@ -113,7 +117,8 @@ def actions_always(monkeypatch):
 
 def test_smoke_single_process_then_resume(tmp_path):
     run = tmp_path / "run"
-    out = run_camg("--model", "tiny", "--steps", "2", "--num_workers", "0", "--run_dir", str(run))
+    out = run_camg("--model", "tiny", "--steps", "2", "--num_workers", "0", "--run_dir", str(run), "--eval-tasks", "2",
+                   "--max-turns", "3", "--max-new-tokens", "16", "--batch-episodes", "2", "--rollout-batch", "2")
     metrics = jsonl(run / "metrics.jsonl")
     assert [m["update"] for m in metrics] == [1, 2]
     for key in ("score", "approx_kl", "clipfrac", "entropy", "value_loss", "explained_var", "grad_norm",
@@ -124,11 +129,18 @@ def test_smoke_single_process_then_resume(tmp_path):
     assert sum(e["used"] == "train" for e in eps) == 2 * 2
     assert (run / "ckpt").is_dir() and json.loads((run / "config.json").read_text())["steps"] == 2
     table = (run / "eval.md").read_text()
-    assert "| Shop | Coding | DeepResearch | AutoResearch | Avg |" in table and "reported by the paper" in table
-    assert "this run: tiny, update 2" in out
+    assert "| Shop | Coding | DeepResearch | AutoResearch | Avg |" in table and "(paper: released figures)" in table
+    assert "this run: tiny, after RL (update 2)" in out and "success before RL" in out and "Resets (evaluation" in out
+    summary = json.loads((run / "summary.json").read_text())
+    assert set(summary) == {"rl_effect", "per_env", "after_by_memory", "resets", "wall_s"}
+    assert set(summary["rl_effect"]) == {"success_before", "success_after", "delta", "ci95", "tasks"}
+    assert set(summary["per_env"]) == {"shop", "deepresearch", "autoresearch"} and summary["rl_effect"]["tasks"] == 6
+    assert set(summary["resets"]) == {"episodes", "with_reset", "written_before_reset", "read_after_reset",
+                                      "success_with_reset", "success_without_reset"}
     # resume (in-process, to save a start-up): the run dir has a checkpoint, so 3 steps continue at update 3
     cfg = camg.parse_args(["--model", "tiny", "--steps", "3", "--num_workers", "0", "--run_dir", str(run),
-                           "--eval_tasks", "0"])
+                           "--eval_tasks", "0", "--max-turns", "3", "--max-new-tokens", "16", "--batch-episodes", "2",
+                           "--rollout-batch", "2"])
     learner = camg.learner_main(cfg, camg.Dist())
     assert learner.version == 3 and [m["update"] for m in jsonl(run / "metrics.jsonl")] == [1, 2, 3]
     assert len(jsonl(run / "episodes.jsonl")) >= 3 * 2, "resuming must append to the logs, not truncate them"
@@ -144,6 +156,7 @@ def test_smoke_two_processes_async_with_eta_0(tmp_path, launcher):
     weights must see those episodes dropped, never trained: every trained episode has lag 0."""
     run = tmp_path / "run"
     run_camg("--model", "tiny", "--steps", "3", "--eta", "0", "--run_dir", str(run), "--eval_tasks", "0",
+             "--max-turns", "3", "--max-new-tokens", "16", "--batch-episodes", "2", "--rollout-batch", "2",
              launcher=launcher)
     metrics = jsonl(run / "metrics.jsonl")
     assert [m["update"] for m in metrics] == [1, 2, 3] and metrics[-1]["version"] == 3
@@ -168,6 +181,8 @@ def test_bad_config_is_a_clear_error_before_work(tmp_path, capsys):
                         (["--resume", "maybe"], "--resume is a switch"), (["--device", "bogus"], "--device must be"),
                         (["--lr", "0"], "--lr must be"), (["--temperature", "-1"], "--temperature must be"),
                         (["--max-turns", "0"], "--max-turns must be >= 1"),
+                        (["--family", "long"], "--family must be relay, standard or both"),
+                        (["--warmstart-steps", "-2"], "--warmstart-steps must be -1"),
                         (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
                         (["--model", str(tmp_path / "no-such-model")], "no such directory"),
                         (["--model", str(corrupt)], "config.json is not valid JSON")]:
@@ -269,7 +284,7 @@ def test_queue_survives_raising_env_and_timeouts_without_loss(tmp_path, actions_
     assert timed and all(not s.error and s.score == 1.0 for s in timed), "a timed-out command is an observation"
     # a crash of the whole rollout (e.g. generation) still returns every episode, failed with the reason
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(camg, "run_episodes", lambda *a, **k: (_ for _ in ()).throw(MemoryError("gen")))
+        mp.setattr(camg_worker, "run_episodes", lambda *a, **k: (_ for _ in ()).throw(MemoryError("gen")))
         out = worker.rollout_batch()
     assert len(out) == 2 and all(s.error.startswith("rollout: MemoryError") for s in out)
 
@@ -280,7 +295,7 @@ def test_learner_trains_through_failures_and_logs_every_episode(tmp_path, action
     make = lambda name: FakeEnv(name, "raise" if name == "shop" else "ok", resets)   # noqa: E731
     camg.learner_main(cfg, camg.Dist(), make_env=make)
     eps = jsonl(tmp_path / "run" / "episodes.jsonl")
-    train_resets = len(resets) - 2 * 2                     # minus the evaluation episodes (2 per env)
+    train_resets = len(resets) - 2 * 2 * 2                 # minus the evaluation episodes (2 per env, before and after RL)
     assert len(eps) == train_resets, "every training episode must appear in episodes.jsonl"
     assert {e["used"] for e in eps} <= {"train", "failed", "unused"}
     assert all(e["error"] == "step: RuntimeError('boom')" for e in eps if e["used"] == "failed")
@@ -315,18 +330,18 @@ def test_memory_modes_and_evaluation_ablations(tmp_path, actions_always):
     envs_ = [FakeEnv("shop") for _ in range(3)]
     for i, e in enumerate(envs_):
         e.memory = {f"n{i}.md": str(i), "CONTINUATION.md": f"c{i}"}
-    camg.apply_memory_mode(envs_, "shuffle")
+    camg_memory.apply_memory_mode(envs_, "shuffle")
     assert [e.memory["CONTINUATION.md"] for e in envs_] == ["c1", "c2", "c0"]
-    camg.apply_memory_mode(envs_, "continuation")
+    camg_memory.apply_memory_mode(envs_, "continuation")
     assert all(list(e.memory) == ["CONTINUATION.md"] for e in envs_)
-    camg.apply_memory_mode(envs_, "blank")
+    camg_memory.apply_memory_mode(envs_, "blank")
     assert all(e.memory == {} for e in envs_)
-    assert "No saved memory" in camg.memory_note(envs_[0])
+    assert "No saved memory" in camg_memory.memory_note(envs_[0])
     envs_[0].memory = {"prefs.md": "secret"}
-    note = camg.memory_note(envs_[0])
+    note = camg_memory.memory_note(envs_[0])
     assert ".agent_memory/prefs.md" in note and "secret" not in note, "the note gives paths, never contents"
 
-    streams = camg.eval_streams(FakeEnv(), num_tasks=5, stream_len=2)
+    streams = camg_eval.eval_streams(FakeEnv(), num_tasks=5, stream_len=2)
     assert [[t.id for t in s] for s in streams] == [["shop/g0/t0", "shop/g0/t1"], ["shop/g1/t0", "shop/g1/t1"],
                                                     ["shop/g2/t0"]]
     model, tok = camg.build_model("tiny", "cpu", 0)
@@ -336,15 +351,16 @@ def test_memory_modes_and_evaluation_ablations(tmp_path, actions_always):
     seen = {}
     for mode in ("full", "blank", "shuffle", "continuation"):
         made.clear()
-        res = camg.evaluate(cfg, model.eval(), tok, mode, make_env=make)
+        res = camg_eval.evaluate(cfg, model.eval(), tok, mode, make_env=make)
         assert res["shop"]["num"] == 4
         seen[mode] = [e.seen_memory[1] for e in made]       # the memory each stream's 2nd task started with
     assert seen["full"][0] == {"note-g0.md": "seen shop/g0/t0", "CONTINUATION.md": "continue shop/g0/t0"}
     assert seen["blank"] == [{}, {}]
     assert seen["shuffle"][0] == seen["full"][1] and seen["shuffle"][1] == seen["full"][0]
     assert seen["continuation"][0] == {"CONTINUATION.md": "continue shop/g0/t0"}
-    text = camg.table2([("this run", res)])
-    assert "| this run | 100.0 (n=4) | — | — | — | 100.0 |" in text and text.count("reported by the paper") == 6
+    text = camg_eval.table2([("this run", res)])
+    assert "| this run | 100.0 (n=4) | — | — | — | 100.0 |" in text and text.count("*(paper: ") == 6
+    assert "derived" in text and "competitive with" in text, "published rows carry their source, the abstract's claim"
 
 
 def test_worker_samples_carry_their_temperature():
@@ -353,9 +369,126 @@ def test_worker_samples_carry_their_temperature():
     from rollout import Episode
     ep = Episode(task=Task("t", "shop", 0, "g", "train"), tokens=[1, 2, 3], loss_mask=[0, 1, 1],
                  logprobs=[0.0, -1.0, -1.0], temperature=0.7, score=0.5)
-    (s,) = camg.to_samples([ep], ["shop"], version=0, worker=0, batch_s=1.0)
+    (s,) = camg_worker.to_samples([ep], ["shop"], version=0, worker=0, batch_s=1.0)
     assert s.error == "" and s.rows == [([1, 2, 3], [0, 1, 1], [0.0, -1.0, -1.0], 0.7)] and s.gen_tokens == 2
     model, _ = camg.build_model("tiny", "cpu", 0)
     learner = Learner(model, value_head=True, gradient_checkpointing=False)
     batch = camg.build_batch([s], learner, gamma=1.0, lam=1.0)
     assert batch.temperatures.tolist() == pytest.approx([0.7])
+
+
+# ----------------------------------------------------------------------------- the reset protocol
+
+
+def test_protocol_env_bounds_the_file_and_records_each_reset(tmp_path):
+    """Written / empty / missing / stale before a reset (the env's memory_files() call at the reset),
+    read or not after it, and CONTINUATION.md cut to MAX_CHARS with the observation saying so."""
+    import deepresearch
+    env = ProtocolEnv(deepresearch.DeepResearchEnv(relay_per_region=1, tasks_per_region=0), max_chars=50)
+    try:
+        task = env.tasks("test")[0]
+        env.set_memory_files({})
+        env.reset(task)
+        env.memory_files()                                      # a reset with no file
+        obs, _, _ = env.step("shell: printf '%s' " + "x" * 80 + " > .agent_memory/CONTINUATION.md")
+        assert "was cut to its first 50 characters" in obs and len(env.env.memory_files()["CONTINUATION.md"]) == 50
+        env.memory_files()                                      # a reset after writing it
+        env.step("shell: cat .agent_memory/CONTINUATION.md")
+        env.step("shell: printf '' > .agent_memory/CONTINUATION.md")
+        env.memory_files()                                      # written empty
+        assert camg_memory.reset_outcomes(env) == [{"before": "missing", "read": False},
+                                                   {"before": "written", "read": True},
+                                                   {"before": "empty", "read": False}]
+        env.env.set_memory_files({"CONTINUATION.md": "from the last task"})
+        env.reset(task)
+        env.memory_files()
+        assert camg_memory.reset_outcomes(env) == [{"before": "stale", "read": False}], "a new episode, a new record"
+    finally:
+        env.close()
+    assert reads_continuation("shell: tail -n 5 .agent_memory/CONTINUATION.md")
+    assert not reads_continuation("shell: printf 'a' > .agent_memory/CONTINUATION.md") and not reads_continuation("search[x]")
+    assert is_memory_action("shell: cat .agent_memory/notes.md") and not is_memory_action("shell: ls")
+
+
+def test_reset_record_matches_rollout_resets_and_memory_tokens_are_marked():
+    """Through rollout's own loop: one record per reset (rollout asks memory_files() only at a reset), and
+    memory_action_masks flags exactly the tokens of the replies that write or read memory files."""
+    cfg = camg.Config(model="tiny", context_budget=700, max_new_tokens=64, max_turns=12)
+    _, tok = camg.build_model("tiny", "cpu", 0)
+    proto = camg_worker.make_env("deepresearch")
+    eps, outcomes = camg_worker.reference_episodes(proto, proto.tasks("test")[:3], tok, cfg)
+    assert any(ep.num_resets for ep in eps)
+    for ep, out in zip(eps, outcomes):
+        assert len(out) == ep.num_resets and all(o["read"] for o in out)
+        rows = [r.loss_mask for r in ep.rows()]
+        flags = memory_action_masks(rows, ep.actions)
+        marked = {tok.decode([t for t, f in zip(r.tokens, fl) if f]) for r, fl in zip(ep.rows(), flags)}
+        assert all("CONTINUATION.md" in m for m in marked if m), marked
+        assert sum(map(sum, flags)) < sum(map(sum, rows)), "task actions are not memory actions"
+
+
+def test_mask_memory_actions_zeroes_their_loss_mask():
+    model, _ = camg.build_model("tiny", "cpu", 0)
+    learner = Learner(model, value_head=True, gradient_checkpointing=False)
+    row = ([5, 6, 7, 8, 9, 10], [0, 1, 1, 0, 1, 1], [0.0, -1.0, -1.0, 0.0, -1.0, -1.0], 1.0)
+    s = camg.Sample("shop", "a", 0, 0, 1.0, 1.0, "done", rows=[row], memory_tokens=[[0, 1, 1, 0, 0, 0]])
+    plain = camg.build_batch([s], learner, 1.0, 1.0)
+    masked = camg.build_batch([s], learner, 1.0, 1.0, mask_memory=True)
+    assert plain.loss_mask[0].tolist() == [0, 1, 1, 0, 1, 1] and masked.loss_mask[0].tolist() == [0, 0, 0, 0, 1, 1]
+    only_memory = camg.Sample("shop", "b", 0, 0, 1.0, 1.0, "done", rows=[row], memory_tokens=[[0, 1, 1, 0, 1, 1]])
+    assert camg.build_batch([only_memory], learner, 1.0, 1.0, mask_memory=True) is None
+    assert camg.parse_args(["--model", "tiny", "--mask-memory-actions"]).mask_memory_actions
+
+
+# ----------------------------------------------------------------------------- warm start and summary
+
+
+def test_warm_start_skips_a_model_that_follows_the_protocol_and_stops_at_the_threshold(tmp_path, monkeypatch):
+    cfg = tiny_cfg(tmp_path, warmstart_steps=10, warmstart_threshold=0.9)
+    model, tok = camg.build_model("tiny", "cpu", 0)
+    learner = Learner(model, value_head=True, lr=1e-3, gradient_checkpointing=False)
+    rows = [([5, 6, 7, 8], [0, 1, 1, 0]), ([5, 9, 7], [0, 1, 1])]
+    monkeypatch.setattr(camg, "warmstart_rows", lambda *a: rows)
+    monkeypatch.setattr(camg, "WARMSTART_CHECK_EVERY", 1)
+    monkeypatch.setattr(camg, "format_validity", lambda *a: 0.95)
+    logged = []
+    out = camg.warm_start(cfg, learner, tok, None, logged.append)
+    assert out["steps"] == 0 and learner.version == 0, "a model that already follows the protocol is not trained"
+    checks = iter([0.0, 0.5, 0.95, 0.99])
+    monkeypatch.setattr(camg, "format_validity", lambda *a: next(checks))
+    out = camg.warm_start(cfg, learner, tok, None, logged.append)
+    assert out == {"validity_before": 0.0, "validity_after": 0.95, "steps": 2} and learner.version == 2
+    assert logged[-1]["sft_loss"] > 0 and learner.optimizer.param_groups[0]["lr"] == cfg.lr
+
+
+def test_warmstart_rows_imitate_the_reference_through_resets(tmp_path):
+    """The rows are rollout rows of the reference: the continuation file written before a reset and read
+    back after it carry sft mask 1 like every other reply."""
+    cfg = tiny_cfg(tmp_path, env_weights="deepresearch=1", warmstart_tasks=2, context_budget=700,
+                   max_new_tokens=64, max_turns=12)
+    _, tok = camg.build_model("tiny", "cpu", 0)
+    rows = camg.warmstart_rows(cfg, tok, camg.env_maker(cfg))
+    trained = " ".join(tok.decode([t for t, m in zip(toks, mask) if m]) for toks, mask in rows)
+    assert len(rows) > 2 and "> .agent_memory/CONTINUATION.md" in trained and "cat .agent_memory/CONTINUATION.md" in trained
+    assert "memo[]" in trained and "<action>" in trained
+
+
+def test_summary_pairs_tasks_and_counts_resets():
+    def res(succ, resets):
+        return {"success": sum(succ), "score": 0.0, "num": len(succ), "failed": 0,
+                "episodes": [{"task": f"t{i}", "success": s, "resets": r} for i, (s, r) in enumerate(zip(succ, resets))]}
+    w, m = {"before": "written", "read": True}, {"before": "missing", "read": False}
+    before = {"shop": res([0, 0, 1, 0], [[]] * 4), "deepresearch": res([0, 0, 0, 0], [[]] * 4)}
+    after = {"shop": res([1, 1, 1, 0], [[w], [w], [], [m]]), "deepresearch": res([1, 0, 0, 0], [[w], [], [], []])}
+    s = camg_eval.summary(before, {"full": after, "blank": before}, 12.0)
+    assert s["per_env"]["shop"]["delta"] == pytest.approx(0.5) and s["per_env"]["shop"]["tasks"] == 4
+    assert s["rl_effect"]["success_before"] == pytest.approx(0.125) and s["rl_effect"]["success_after"] == pytest.approx(0.5)
+    assert s["rl_effect"]["delta"] == pytest.approx(0.375) and s["rl_effect"]["tasks"] == 8
+    lo, hi = s["rl_effect"]["ci95"]
+    assert lo < 0.375 < hi
+    assert s["after_by_memory"]["blank"] == {"success": pytest.approx(0.125), "per_env": {"shop": 0.25, "deepresearch": 0.0}}
+    r = s["resets"]
+    assert r["episodes"] == 8 and r["with_reset"] == pytest.approx(0.5) and r["written_before_reset"] == pytest.approx(0.75)
+    assert r["read_after_reset"] == pytest.approx(0.75)
+    assert r["success_with_reset"] == pytest.approx(0.75) and r["success_without_reset"] == pytest.approx(0.25)
+    assert "| average | 8 |" in camg_eval.effect_table(s)

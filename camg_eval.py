@@ -1,0 +1,182 @@
+"""camg.py's evaluation and report: greedy test streams per environment, success in the CAMG paper's
+Table 2 layout beside the published rows (published.py), and the run's summary (summary.json): the RL effect
+(held-out success before and after RL, per environment and averaged, with paired 95% CIs), success
+after RL per evaluation memory mode, and the reset protocol's statistics over the evaluation episodes.
+
+`evaluate` returns per environment {"success", "score", "num", "failed"} (sums over the episodes) and
+"episodes": one record per test task {"task", "success", "resets": [{"before", "read"}, ...]}.
+"""
+from __future__ import annotations
+
+import torch
+
+import published
+from camg_memory import ProtocolEnv, apply_memory_mode, memory_note
+from exchange import to_samples
+from rewards import mean_ci95
+from rollout import run_episodes
+
+ENV_NAMES = ("shop", "coding", "deepresearch", "autoresearch")
+TITLES = {"shop": "Shop", "coding": "Coding", "deepresearch": "DeepResearch", "autoresearch": "AutoResearch"}
+
+
+def by_group(tasks) -> list[list]:
+    """Tasks per group (a shopper, a region, a lab, a repository), each group's tasks in order."""
+    groups = {}
+    for t in tasks:
+        groups.setdefault(t.group, []).append(t)
+    return list(groups.values())
+
+
+def eval_streams(env, num_tasks: int, stream_len: int) -> list[list]:
+    """Test tasks as streams: each test group's tasks in order, cut into chunks of stream_len, taken
+    round-robin over the groups (every group's first chunk first) until num_tasks tasks."""
+    chunks = [[g[i:i + stream_len] for i in range(0, len(g), stream_len)] for g in by_group(env.tasks("test"))]
+    streams, left = [], num_tasks
+    for k in range(max(map(len, chunks), default=0)):
+        for c in chunks:
+            if k < len(c) and left > 0:
+                streams.append(c[k][:left])
+                left -= len(streams[-1])
+    return streams
+
+
+@torch.no_grad()
+def evaluate(cfg, model, tokenizer, mode: str, rank: int = 0, world: int = 1, make_env=None) -> dict:
+    """Results per env (module docstring) over this rank's streams. All environments' streams step
+    together (one batched generate per turn); pairs of streams stay on one rank so that 'shuffle'
+    always has a partner of the same environment. cfg: camg.Config (weights, eval_tasks,
+    eval_stream_len, seed, max_turns, max_new_tokens, context_budget)."""
+    streams, results = [], {}       # streams: (env name, env instance, tasks)
+    try:
+        for name in cfg.weights:
+            proto = make_env(name)
+            all_ = eval_streams(proto, cfg.eval_tasks, cfg.eval_stream_len)
+            parts = [all_[i:i + 2] for i in range(0, len(all_), 2)]
+            if len(parts) > 1 and len(parts[-1]) == 1:
+                parts[-2] += parts.pop()
+            mine = [s for part in parts[rank::world] for s in part]
+            envs_ = [ProtocolEnv(proto)] + [ProtocolEnv(proto.clone()) for _ in mine[1:]]
+            streams += [(name, e, s) for e, s in zip(envs_, mine)]
+            results[name] = {"success": 0.0, "score": 0.0, "num": 0, "failed": 0, "episodes": []}
+            if not mine:
+                proto.close()
+        for _, e, _ in streams:
+            e.set_memory_files({})
+        for pos in range(max((len(s) for _, _, s in streams), default=0)):
+            # between tasks the mode decides what the next task starts with (shuffle partners may have ended)
+            for name in results if pos > 0 else ():
+                apply_memory_mode([e for n, e, s in streams if n == name and (pos < len(s) or mode == "shuffle")], mode)
+            live = [st for st in streams if pos < len(st[2])]
+            envs_ = [e for _, e, _ in live]
+            eps = run_episodes(model, tokenizer, envs_, [s[pos] for _, _, s in live],
+                               memory=[memory_note(e, mode != "blank") for e in envs_], temperature=0.0,
+                               seed=cfg.seed, max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens,
+                               context_budget=cfg.context_budget)
+            for s in to_samples(eps, [n for n, _, _ in live], 0, -1, 0.0, envs_):
+                r = results[s.env]
+                for key, v in (("success", s.success), ("score", s.score), ("num", 1), ("failed", bool(s.error))):
+                    r[key] += v
+                r["episodes"].append({"task": s.task_id, "success": s.success, "resets": s.reset_log})
+    finally:
+        for _, e, _ in streams:
+            e.close()
+    return results
+
+
+def merge(parts: list[dict]) -> dict:
+    """The evaluation results of several ranks, summed (episode lists concatenated)."""
+    total = {}
+    for part in parts:
+        for n, res in part.items():
+            total[n] = {k: total.get(n, {}).get(k, type(v)()) + v for k, v in res.items()}
+    return total
+
+
+def table2(rows: list[tuple[str, dict]]) -> str:
+    """Markdown, the paper's Table 2 layout: this run's rows, then the published rows with their source."""
+    lines = ["| model | " + " | ".join(TITLES[n] for n in ENV_NAMES) + " | Avg |", "|---" * (len(ENV_NAMES) + 2) + "|"]
+    for label, res in rows:
+        vals = {n: 100.0 * r["success"] / r["num"] for n, r in res.items() if r["num"]}
+        cells = [f"{vals[n]:.1f} (n={res[n]['num']})" if n in vals else "—" for n in ENV_NAMES]
+        avg = f"{sum(vals.values()) / len(vals):.1f}" if vals else "—"
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {avg} |")
+    for r in published.CAMG_SUCCESS:
+        if "(points)" not in r["row"]:             # success rows only (not the ablation cost itself)
+            cells = [f"{r['values'][c]:.1f}" if c in r["values"] else "—" for c in ENV_NAMES + ("avg",)]
+            lines.append(f"| {r['row']} *(paper: {published.source_cell(r)})* | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + ("\n\nPaper rows: the CAMG paper's Table 2 and memory ablations (4B models, 128 tasks "
+                               "per env), labelled by source; \"derived\" figures are computed here from released "
+                               "ones. " + published.CAMG_ABSTRACT_CLAIM)
+
+
+# ----------------------------------------------------------------------------- the summary
+
+def _per_task(res: dict) -> dict:
+    return {e["task"]: float(e["success"]) for e in res["episodes"]}
+
+
+def _effect(before: list, after: list) -> dict:
+    diff = mean_ci95([a - b for b, a in zip(before, after)])
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")     # noqa: E731
+    return {"success_before": mean(before), "success_after": mean(after), "delta": diff[0],
+            "ci95": [diff[1], diff[2]], "tasks": len(before)}
+
+
+def rl_effect(before: dict, after: dict) -> tuple[dict, dict]:
+    """(averaged over envs, per env): success before / after RL on the same test tasks, paired. The
+    average's CI pairs task slots: slot k is the mean over envs of each env's k-th task's difference."""
+    per_env, slots = {}, {}
+    for n in [n for n in ENV_NAMES if n in before and n in after]:
+        b, a = _per_task(before[n]), _per_task(after[n])
+        tasks = [t for t in b if t in a]
+        per_env[n] = _effect([b[t] for t in tasks], [a[t] for t in tasks])
+        for k, t in enumerate(tasks):
+            slots.setdefault(k, []).append((b[t], a[t]))
+    avg = lambda xs: sum(xs) / len(xs)                                # noqa: E731
+    pairs = [(avg([b for b, _ in s]), avg([a for _, a in s])) for s in slots.values()]
+    overall = _effect([b for b, _ in pairs], [a for _, a in pairs])
+    overall.update(success_before=avg([e["success_before"] for e in per_env.values()]) if per_env else float("nan"),
+                   success_after=avg([e["success_after"] for e in per_env.values()]) if per_env else float("nan"),
+                   tasks=sum(e["tasks"] for e in per_env.values()))
+    return overall, per_env
+
+
+def reset_stats(results: dict) -> dict:
+    """The reset protocol over the evaluation episodes: the share of episodes with a reset, of resets
+    whose CONTINUATION.md was written before them and read back after, and success with vs without one."""
+    eps = [e for res in results.values() for e in res["episodes"]]
+    resets = [r for e in eps for r in e["resets"]]
+    share = lambda xs: sum(xs) / len(xs) if xs else float("nan")    # noqa: E731
+    return {"episodes": len(eps), "with_reset": share([bool(e["resets"]) for e in eps]),
+            "written_before_reset": share([r["before"] == "written" for r in resets]),
+            "read_after_reset": share([r["read"] for r in resets]),
+            "success_with_reset": share([e["success"] for e in eps if e["resets"]]),
+            "success_without_reset": share([e["success"] for e in eps if not e["resets"]])}
+
+
+def summary(before: dict | None, after_by_mode: dict, wall_s: float) -> dict:
+    """summary.json: rl_effect, per_env, after_by_memory, resets (after RL, first memory mode), wall_s."""
+    first = next(iter(after_by_mode.values()))
+    overall, per_env = rl_effect(before, first) if before is not None else ({}, {})
+    by_memory = {mode: {"success": sum(r["success"] / r["num"] for r in res.values() if r["num"]) /
+                        max(sum(1 for r in res.values() if r["num"]), 1),
+                        "per_env": {n: r["success"] / r["num"] for n, r in res.items() if r["num"]}}
+                 for mode, res in after_by_mode.items()}
+    return {"rl_effect": overall, "per_env": per_env, "after_by_memory": by_memory,
+            "resets": reset_stats(first), "wall_s": wall_s}
+
+
+def effect_table(s: dict) -> str:
+    """The before/after table of a summary, and its reset statistics, as text."""
+    pct = lambda x: "nan" if x != x else f"{100 * x:.1f}"            # noqa: E731
+    lines = ["| env | tasks | success before RL | after RL | delta | 95% CI (paired) |", "|---|---|---|---|---|---|"]
+    for name, e in list(s["per_env"].items()) + ([("average", s["rl_effect"])] if s["rl_effect"] else []):
+        lines.append(f"| {TITLES.get(name, name)} | {e['tasks']} | {pct(e['success_before'])} | "
+                     f"{pct(e['success_after'])} | {pct(e['delta'])} | [{pct(e['ci95'][0])}, {pct(e['ci95'][1])}] |")
+    r = s["resets"]
+    lines.append(f"\nResets (evaluation after RL, {r['episodes']} episodes): {pct(r['with_reset'])}% of episodes "
+                 f"reset at least once; CONTINUATION.md written before {pct(r['written_before_reset'])}% of resets, "
+                 f"read back after {pct(r['read_after_reset'])}%; success {pct(r['success_with_reset'])}% with a "
+                 f"reset vs {pct(r['success_without_reset'])}% without.")
+    return "\n".join(lines)

@@ -1,0 +1,230 @@
+"""CAMG's memory: what a task starts with (the memory modes between tasks, the first turn's note) and
+the CONTINUATION.md reset protocol inside an episode, as camg.py runs and records it.
+
+Between tasks (`apply_memory_mode`, `memory_note`): full keeps `.agent_memory/`, blank empties it,
+continuation keeps only CONTINUATION.md, shuffle swaps in another stream's folder (the ablations);
+a task's first user turn lists the saved files' paths, never their contents.
+
+Inside an episode: rollout.py resets a context when the next turn would not fit in the context budget: it first asks
+the policy to save its progress to `.agent_memory/CONTINUATION.md` (one sampled, trained action),
+then opens a fresh context that holds the task and the memory file paths only. This module adds what
+the protocol needs to be measured and learned:
+
+- `ProtocolEnv` wraps an environment for one episode at a time. It bounds CONTINUATION.md to
+  MAX_CHARS characters after every action (a longer file is cut, and the observation says so) and
+  records, at every reset, the file's state (written in this episode / empty / missing; a file left
+  by an earlier task and not rewritten is "stale"), and whether an action of the next context read it
+  back ("read" = a shell command that prints the file, e.g. `cat .agent_memory/CONTINUATION.md`).
+  A reset is seen as the call rollout.py makes to `memory_files()` to list the paths for the fresh
+  context (nothing else asks during an episode: the tests check the count against `num_resets`).
+- `reset_outcomes` turns the record into one dict per reset: {"before": "written" | "empty" |
+  "missing" | "stale", "read": bool}; camg.py logs them per episode.
+- `memory_action_turns` marks the turns whose action writes or reads a memory file (the
+  `--mask-memory-actions` ablation puts loss mask 0 on their tokens).
+- `CarryingAgent` and `run_reference`: an environment's reference policy run through the same
+  loop as the model, knowing only its current context: at a reset it loses everything but what it
+  wrote to CONTINUATION.md (carry=True: it writes its notes when asked and `cat`s them back first
+  thing after the reset; carry=False: it starts over from the task). These are the warm start's
+  trajectories, and the tests' proof that a relay task needs the file.
+
+Design choice: the protocol is *recorded, not enforced*. Writing and reading the file is rewarded
+only through the task (an episode that loses a fact at a reset fails its task), as in the CAMG
+paper's memory actions, which share the task return; nothing refuses an action that skips the read.
+"""
+from __future__ import annotations
+
+import re
+
+from rollout import ACTOR_SYSTEM, CONTINUATION_PATH, ChatFormat, _loop
+
+FILE = CONTINUATION_PATH.split("/", 1)[1]      # "CONTINUATION.md" inside .agent_memory/
+MEMORY_MODES = ("full", "blank", "shuffle", "continuation")
+NO_MEMORY, KEPT = "No saved memory files yet.", " Notes you write under .agent_memory/ are kept for later tasks."
+MAX_CHARS = 1200                               # the file's bound: enough for a task's facts, not a transcript
+OUTCOMES = ("written", "empty", "missing", "stale")
+
+# a shell command that prints the file (not one that only redirects into it)
+_READ_RE = re.compile(r"\b(cat|head|tail|nl|less|more|sed|awk|grep)\b[^|;&>]*CONTINUATION\.md")
+_MEMORY_RE = re.compile(r"\.agent_memory|CONTINUATION\.md")
+
+
+def apply_memory_mode(env_list: list, mode: str) -> None:
+    """Before each env's next task. full: keep; blank: empty the saved memory; continuation: keep only
+    CONTINUATION.md; shuffle: env i gets the memory folder of env i+1 (another stream's notes)."""
+    if mode == "blank":
+        for e in env_list:
+            e.set_memory_files({})
+    elif mode == "continuation":
+        for e in env_list:
+            e.set_memory_files({k: v for k, v in e.memory_files().items() if k == FILE})
+    elif mode == "shuffle":
+        assert len(env_list) >= 2, "memory mode 'shuffle' needs at least 2 streams of the same environment"
+        snaps = [e.memory_files() for e in env_list]
+        for i, e in enumerate(env_list):
+            e.set_memory_files(snaps[(i + 1) % len(snaps)])
+
+
+def memory_note(env, kept: bool = True) -> str:
+    """The memory part of a task's first user turn: the saved files' *paths*, never their contents (as
+    after a context reset); the policy reads what it needs with a shell action. kept: whether the
+    folder is kept for later tasks (memory mode full / continuation / shuffle) or emptied (blank)."""
+    paths = [f".agent_memory/{p}" for p in sorted(env.memory_files())]
+    if not paths:
+        return NO_MEMORY + (KEPT if kept else "")
+    return "Saved memory files (read them with a shell action, e.g. cat PATH): " + ", ".join(paths)
+
+
+# ----------------------------------------------------------------------------- the reset protocol
+
+def _shell(action: str) -> str | None:
+    m = re.match(r"\s*(?:shell|shell_command)\s*:\s*(.*)$", action or "", re.S | re.I)
+    return m.group(1) if m else None
+
+
+def reads_continuation(action: str) -> bool:
+    cmd = _shell(action)
+    return cmd is not None and bool(_READ_RE.search(cmd))
+
+
+def is_memory_action(action: str) -> bool:
+    """A shell action that writes or reads a memory file (CONTINUATION.md or anything in .agent_memory/)."""
+    cmd = _shell(action)
+    return cmd is not None and bool(_MEMORY_RE.search(cmd))
+
+
+class ProtocolEnv:
+    """An environment with the reset protocol's bound and record (see the module docstring). Every
+    attribute it does not define is the wrapped environment's."""
+
+    def __init__(self, env, max_chars: int = MAX_CHARS):
+        self.env, self.max_chars = env, max_chars
+        self.start, self.wrote, self.resets, self.reads = None, False, [], []
+
+    def __getattr__(self, name):
+        return getattr(self.env, name)
+
+    def _file(self):
+        return self.env.memory_files().get(FILE)
+
+    def reset(self, task):
+        obs = self.env.reset(task)
+        self.start, self.wrote, self.resets, self.reads = self._file(), False, [], []
+        return obs
+
+    def memory_files(self) -> dict:
+        """Called by rollout.py at a reset (to list the paths of the fresh context): record the file."""
+        files = self.env.memory_files()
+        text = files.get(FILE)
+        self.resets.append("missing" if text is None else "empty" if not text.strip()
+                           else "written" if self.wrote else "stale")
+        self.reads.append(False)
+        return files
+
+    def step(self, action: str):
+        if self.resets and reads_continuation(action):
+            self.reads[-1] = True
+        obs, reward, done = self.env.step(action)
+        text = self._file()
+        self.wrote = self.wrote or text != self.start
+        if text is not None and len(text) > self.max_chars:
+            files = self.env.memory_files()
+            files[FILE] = text[:self.max_chars]
+            self.env.set_memory_files(files)
+            obs += f"\n[{CONTINUATION_PATH} was cut to its first {self.max_chars} characters: keep it short]"
+        return obs, reward, done
+
+    def clone(self):
+        return ProtocolEnv(self.env.clone(), self.max_chars)
+
+    def close(self):
+        self.env.close()
+
+
+def reset_outcomes(env: ProtocolEnv) -> list[dict]:
+    """The episode just run on env: one {"before", "read"} per reset."""
+    return [{"before": b, "read": r} for b, r in zip(env.resets, env.reads)]
+
+
+def turn_spans(mask: list[int]) -> list[tuple[int, int]]:
+    """The [start, end) token spans of the replies in a row: each maximal run of loss mask 1 is one turn."""
+    spans, start = [], None
+    for i, m in enumerate(list(mask) + [0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans
+
+
+def memory_action_masks(rows: list, actions: list[str]) -> list[list[int]]:
+    """Per row, 1 on the tokens of replies whose action writes or reads a memory file. Turns are the
+    rows' runs of loss mask 1, in order across the rows; actions[i] is turn i's parsed action."""
+    out, turn = [], 0
+    for mask in rows:
+        flags = [0] * len(mask)
+        for a, b in turn_spans(mask):
+            if turn < len(actions) and is_memory_action(actions[turn]):
+                flags[a:b] = [1] * (b - a)
+            turn += 1
+        out.append(flags)
+    return out
+
+
+# ----------------------------------------------------------------------------- reference agents
+
+def write_action(lines: list[str]) -> str:
+    """One shell action that replaces CONTINUATION.md with the given lines (no single quotes in them)."""
+    quoted = " ".join("'" + line.replace("'", "") + "'" for line in lines) or "'(nothing yet)'"
+    return f"shell: printf '%s\\n' {quoted} > {CONTINUATION_PATH}"
+
+
+class CarryingAgent:
+    """A reference policy as a model has to be: it knows its current context only. make_policy() builds
+    a fresh policy (obs -> action) with a `notes()` method (the lines worth carrying) and optionally
+    `absorb(obs)` (take in an observation without acting; default: act and drop the action). carry=True: the
+    first time notes() has something, the agent saves it at once (an action of its own: a reset with no
+    room left to ask for the file loses nothing); asked to save before a reset, it writes notes() again
+    (with its progress); after the reset it starts with `cat CONTINUATION.md`, whose output the fresh
+    policy reads. carry=False: after a reset it starts over from the task with nothing."""
+
+    def __init__(self, make_policy, carry: bool = True):
+        self.make_policy, self.carry = make_policy, carry
+        self.policy, self.context, self.saved, self.queued = make_policy(), 0, False, None
+
+    def __call__(self, ep) -> str:
+        obs = ep.observations[-1]
+        if ep.num_resets != self.context:           # a fresh context: the old one's state is gone
+            self.context, self.policy, self.queued = ep.num_resets, self.make_policy(), None
+            if self.carry:
+                return f"shell: cat {CONTINUATION_PATH}"
+            obs = ep.observations[0]                # all it has left: the task
+        if ep.reset_pending and self.carry:         # asked to save before the reset: take in the latest
+            if self.queued is None:                 # observation first (policy.absorb, or a dropped action)
+                getattr(self.policy, "absorb", self.policy)(obs)
+            return write_action(self.policy.notes())
+        if self.queued is not None:                 # the action held back by a save
+            action, self.queued = self.queued, None
+            return action
+        action = self.policy(obs)
+        if self.carry and not self.saved and self.policy.notes():
+            self.saved, self.queued = True, action
+            return write_action(self.policy.notes())
+        return action
+
+
+def run_reference(tokenizer, envs_, tasks, agents, memory="", *, context_budget: int, max_turns=None,
+                  max_new_tokens: int = 64):
+    """rollout's agent loop (the one run_episodes and run_scripted share) with CarryingAgents in place
+    of the model: the same rows (loss mask 1 on the agent's replies), memory note, context budget and
+    reset protocol. Returns list[Episode]."""
+    fmt, live = ChatFormat(tokenizer), {}
+
+    def replies(live_eps, step):
+        out = []
+        for i, ep in zip(sorted(live), live_eps):   # live: {episode index: observation}, for the live ones
+            ids = fmt.scripted_reply(f"<action>{agents[i](ep)}</action>")
+            out.append((ids, [0.0] * len(ids), True))
+        return out
+    return _loop(fmt, replies, envs_, tasks, memory, max_turns=max_turns, max_new_tokens=max_new_tokens,
+                 context_budget=context_budget, system_prompt=ACTOR_SYSTEM, num_threads=8, observe=live)
