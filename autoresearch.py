@@ -238,7 +238,7 @@ class AutoResearchEnv(ShellTaskEnv):
         return (f"Task: improve train.py so that its test predictions beat the baseline "
                 f"(test accuracy {self.baseline:.4f}; reference {self.reference:.4f}). See README.md.\n"
                 f"Files: README.md train.py data/train.csv data/val.csv data/test.csv\n{ACTIONS_LINE}\n"
-                f"Memory folder: {MEMORY_DIR}/ (kept across tasks)")
+                f"{self.memory_line()}")
 
     def _act(self, action: str):
         if self.task.data.get("note") and re.fullmatch(r"note(\[\])?", action, re.I):

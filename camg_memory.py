@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import re
 
-from rollout import ACTOR_SYSTEM, CONTINUATION_PATH, ChatFormat, _loop
+from rollout import ACTOR_SYSTEM, CONTINUATION_PATH, ChatFormat, agent_loop
 
 FILE = CONTINUATION_PATH.split("/", 1)[1]      # "CONTINUATION.md" inside .agent_memory/
 MEMORY_MODES = ("full", "blank", "shuffle", "continuation")
@@ -226,5 +226,5 @@ def run_reference(tokenizer, envs_, tasks, agents, memory="", *, context_budget:
             ids = fmt.scripted_reply(f"<action>{agents[i](ep)}</action>")
             out.append((ids, [0.0] * len(ids), True))
         return out
-    return _loop(fmt, replies, envs_, tasks, memory, max_turns=max_turns, max_new_tokens=max_new_tokens,
+    return agent_loop(fmt, replies, envs_, tasks, memory, max_turns=max_turns, max_new_tokens=max_new_tokens,
                  context_budget=context_budget, system_prompt=ACTOR_SYSTEM, num_threads=8, observe=live)

@@ -261,7 +261,7 @@ class DeepResearchEnv(ShellTaskEnv):
         self.info = {"success": False, "em": 0.0, "f1": 0.0, "hops": len(task.data["path"]), "steps": 0,
                      "num_shell": 0, "num_invalid": 0}
         return (f"Question: {task.data['question']}\n{ACTIONS_LINE}\n"
-                f"Corpus: {len(self.docs)} documents. Memory folder: {MEMORY_DIR}/ (kept across tasks)")
+                f"Corpus: {len(self.docs)} documents. {self.memory_line()}")
 
     def _act(self, action: str):
         if "memo" in self.task.data and re.fullmatch(r"memo(\[\s*\])?", action, re.I):

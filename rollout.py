@@ -262,7 +262,7 @@ def run_episodes(model, tokenizer, env, tasks, memory="", temperature=1.0, seed=
         for ep, o in zip(live_eps, outs):
             saved[id(ep)] = (ep.num_resets, o.prefix)
         return [(o.tokens, o.logprobs, o.finish_reason == "stop") for o in outs]
-    eps = _loop(fmt, replies, env, tasks, memory, max_turns=max_turns, max_new_tokens=max_new_tokens,
+    eps = agent_loop(fmt, replies, env, tasks, memory, max_turns=max_turns, max_new_tokens=max_new_tokens,
                 context_budget=context_budget, system_prompt=system_prompt, num_threads=num_threads,
                 sampling=(temperature, top_p))
     saved.clear()
@@ -286,13 +286,13 @@ def run_scripted(tokenizer, env, tasks, policies, memory="", *, max_turns=None,
             ids = fmt.scripted_reply(f"<action>{policies[i](last_obs[i])}</action>")
             out.append((ids, [0.0] * len(ids), True))
         return out
-    return _loop(fmt, replies, env, tasks, memory, max_turns=max_turns, max_new_tokens=64,
+    return agent_loop(fmt, replies, env, tasks, memory, max_turns=max_turns, max_new_tokens=64,
                  context_budget=context_budget, system_prompt=system_prompt,
                  num_threads=num_threads, observe=last_obs)
 
 
-def _loop(fmt, replies, env, tasks, memory, *, max_turns, max_new_tokens, context_budget,
-          system_prompt, num_threads, observe=None, sampling=(1.0, 1.0)):
+def agent_loop(fmt, replies, env, tasks, memory, *, max_turns, max_new_tokens, context_budget,
+               system_prompt, num_threads, observe=None, sampling=(1.0, 1.0)):
     """The agent loop shared by model and scripted agents. `replies(live_episodes, step)` returns
     one (tokens, logprobs, ended_with_eos) per live episode (replying to episode.tokens); `observe`, if given, is kept as
     {episode index: latest observation} for live episodes (what a scripted agent acts on).
@@ -366,16 +366,20 @@ def _loop(fmt, replies, env, tasks, memory, *, max_turns, max_new_tokens, contex
             text = f"{obs}\n{budget_line(max_turns - ep.num_turns, max_turns)}"
             glue = fmt.user_turn(text, ended)
             ask = fmt.user_turn(f"{text}\n{CONTINUATION_PROMPT}", ended)
+            room = context_budget - len(ep.tokens) - max_new_tokens   # what this user turn may take
             # --- context budget (CAMG): if the turn after next would not fit, ask for the
-            # continuation file now, while there is still room for the reply that writes it;
-            # if not even that fits (or it was just asked for), reset mechanically right away
-            if ep.reset_pending or len(ep.tokens) + len(ask) + max_new_tokens > context_budget:
+            # continuation file now, while there is still room for the reply that writes it (with
+            # less of the observation if the whole one leaves none); the turn after that save
+            # request, or when not even a bare request fits, reset mechanically
+            if not ep.reset_pending and len(ask) > room:
+                ask = _cut_observation(fmt, text, ended, room)
+            if ep.reset_pending or ask is None:
                 if not ep.reset_pending:
                     ep.num_unsaved_resets += 1          # logged: progress lost without a save
                 _append(ep, fmt.close(ended), 0)
                 _mechanical_reset(fmt, ep, envs_[i], system_prompt, max_new_tokens, context_budget)
                 continue
-            if len(ep.tokens) + len(glue) + 2 * max_new_tokens + len(ask) - len(glue) > context_budget:
+            if len(ep.tokens) + len(ask) + 2 * max_new_tokens > context_budget:
                 glue, ep.reset_pending = ask, True
             _append(ep, glue, 0)
     for i, ep in enumerate(eps):
@@ -404,6 +408,20 @@ def _gather(pool, fn, items):
     return out
 
 
+def _cut_observation(fmt, text, ended, room):
+    """The save request with the observation cut (from its end, marked) so that the user turn takes
+    at most `room` tokens, keeping as much of it as fits; None if not even a bare request fits."""
+    def turn(n):
+        return fmt.user_turn(f"{text[:n]} [cut]\n{CONTINUATION_PROMPT}", ended)
+    if len(turn(0)) > room:
+        return None
+    lo, hi = 0, len(text)                       # the longest prefix that fits, by bisection
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if len(turn(mid)) <= room else (lo, mid - 1)
+    return turn(lo)
+
+
 def _mechanical_reset(fmt, ep, env, system_prompt, max_new_tokens, context_budget):
     """Close the current context (kept as a training row) and open a fresh one holding the task
     and the memory file *paths*, never their contents. Samples nothing."""
@@ -413,7 +431,8 @@ def _mechanical_reset(fmt, ep, env, system_prompt, max_new_tokens, context_budge
     files = getattr(env, "memory_files", None)
     paths = sorted(files().keys()) if callable(files) else []
     paths = [p if p.startswith(".agent_memory") else f".agent_memory/{p}" for p in paths] or [CONTINUATION_PATH]
-    note = ("Your context was reset. Your memory files (read them with shell: cat PATH): " + ", ".join(paths))
+    note = (f"Your context was reset. First read back what you saved: <action>shell: cat {CONTINUATION_PATH}</action>"
+            " Memory files: " + ", ".join(paths))
     ep.tokens = fmt.prompt(system_prompt, first_user_turn(ep.observations[0], ep.memory) + "\n\n" + note)
     ep.loss_mask = [0] * len(ep.tokens)
     ep.logprobs = [0.0] * len(ep.tokens)

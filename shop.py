@@ -243,7 +243,7 @@ class ShopEnv(ShellTaskEnv):
         self.note_shown = False
         self.info = {"success": False, "reward": 0.0, "steps": 0, "num_shell": 0, "num_invalid": 0}
         return (f"Instruction: {self.goal['instruction']}\nPage: search\n{ACTIONS_LINE}\n"
-                f"Memory folder: {MEMORY_DIR}/ (kept across tasks)")
+                f"{self.memory_line()}")
 
     def _act(self, action: str):
         if "note" in self.task.data and re.fullmatch(r"click\[\s*note\s*\]", action, re.I):

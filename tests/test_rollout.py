@@ -131,6 +131,30 @@ def test_reset_protocol_triggers_and_keeps_paths():
     assert ep.num_turns == len(ep.actions) == 5
 
 
+class LongOutputEnv(EchoEnv):
+    """Its third step prints a long output, longer than the room a save request leaves."""
+    def step(self, action):
+        obs, r, done = super().step(action)
+        return (obs + " " + "lorem ipsum dolor " * 60 if self.steps == 3 else obs), r, done
+
+    def clone(self):
+        return LongOutputEnv()
+
+
+def test_a_long_output_is_cut_so_the_save_request_still_fits():
+    """An observation too long for a save turn after it: the save request comes with less of it
+    (marked [cut]) instead of a reset without a save, and the fresh context says what to do first."""
+    _, tok = tiny("qwen3", seed=0)
+    env = LongOutputEnv()
+    task = env.tasks("train")[0]
+    ep = run_scripted(tok, env, [task], [env.reference_policy(task)], context_budget=600)[0]
+    assert ep.num_resets >= 1 and ep.num_unsaved_resets == 0
+    before_reset = tok.decode(ep.segments[0].tokens)
+    assert "[cut]" in before_reset and "CONTINUATION.md now" in before_reset.split("[cut]")[1]
+    assert all(len(seg.tokens) <= 600 for seg in ep.rows())
+    assert f"First read back what you saved: <action>shell: cat {CONTINUATION_PATH}</action>" in tok.decode(ep.tokens)
+
+
 def test_scripted_rows_are_protocol_rows():
     _, tok = tiny("qwen3", seed=0)
     env = EchoEnv()

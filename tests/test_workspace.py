@@ -64,7 +64,7 @@ def test_keep_memory_option_of_the_shell_envs(name):
         assert kept.memory_files() == {"notes.md": "size: m\n"}
         assert blank.memory_files() == {} and twin.memory_files() == {}
         blank.set_memory_files({"CONTINUATION.md": "go on"})
-        blank.reset(t2)
+        assert blank.memory_line() in blank.reset(t2) and kept.memory_line() in kept.reset(t2)   # the task says which
         assert blank.memory_files() == {"CONTINUATION.md": "go on"}
         assert (blank.workdir / MEMORY_DIR).is_dir()
     finally:
