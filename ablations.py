@@ -179,6 +179,9 @@ def rime_ablations(args: list) -> None:
 # (name, run dir, camg.py flags of that run, the figure it reads, the published row, the paper's direction).
 # The blank-memory variant trains nothing: it is the full runs' own evaluation with the saved memory
 # blanked (summary.json's after_by_memory["blank"]), which is why the full runs evaluate both modes.
+# Every run keeps memory across the tasks of a stream (camg.py's default blanks it between tasks, and then
+# "blank saved memory" would be the full run itself): both task families, 4-task evaluation streams.
+CAMG_BASE = ["--family", "both", "--train-memory", "full", "--eval-stream-len", "4"]
 CAMG_ABLATIONS = [
     ("full", "full", ["--eval-memory", "full,blank"], "full",
      "CAMG-RL-4B", "the reference"),
@@ -216,7 +219,7 @@ def camg_ablations(args: list) -> None:
         fl = next(x[2] for x in CAMG_ABLATIONS if x[1] == v[1] and x[2] is not None)
         runs.setdefault(v[1], fl)
     root = Path(a.results)
-    summaries, failures = run_all("camg", [(run, fl, s) for run, fl in runs.items() for s in range(a.seeds)],
+    summaries, failures = run_all("camg", [(run, CAMG_BASE + fl, s) for run, fl in runs.items() for s in range(a.seeds)],
                                   root, extra, prog)
     figures = {name: {s: camg_figures(summaries[(run, s)], mode) for s in range(a.seeds) if (run, s) in summaries}
                for name, run, _, mode, _, _ in chosen}

@@ -464,7 +464,10 @@ def bench_camg(args: list) -> None:
             run = Path(tmp) / f"w{n}"
             cmd = [sys.executable, str(HERE / "camg.py"), "--model", a.model, "--steps", str(a.steps),
                    "--num-workers", str(n), "--eta", str(a.eta), "--run-dir", str(run), "--eval-tasks", "0",
-                   "--device", "cpu"]
+                   "--device", "cpu", "--warmstart-steps", "0",   # the workload measured before the laptop preset grew:
+                   "--family", "standard", "--batch-episodes", "2", "--rollout-batch", "2", "--max-turns", "3",
+                   "--max-new-tokens", "32", "--context-budget", "1024",
+                   "--env-weights", "shop=1,coding=1,deepresearch=1,autoresearch=1"]
             t0 = time.perf_counter()
             p = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             wall = time.perf_counter() - t0
