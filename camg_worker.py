@@ -53,12 +53,7 @@ def domain_text(seed: int = 99) -> str:
     for name in RELAY:
         env = make_env(name, "both")
         for task in env.tasks("train")[::7][:8]:
-            policy, obs, done = env.reference_policy(task), env.reset(task), False
-            parts.append(obs)
-            while not done:
-                action = policy(obs)
-                obs, _, done = env.step(action)
-                parts += [f"<action>{action}</action>", obs]
+            parts += rollout.scripted_text(env, task, env.reference_policy(task))
         env.close()
     return "\n".join(parts)
 

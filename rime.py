@@ -205,12 +205,8 @@ def _domain_text() -> str:
     env = envs.make("alchemy", num_trials=1, seed=99)
     parts = [rollout.ACTOR_SYSTEM, rollout.WRITER_SYSTEM, rollout.MEMORY_HEADER]
     for task in env.tasks("train")[::9][:40]:
-        policy, obs, done = env.reference_policy(task), env.reset(task), False
-        parts.append(obs)
-        while not done:
-            action = policy(obs)
-            obs, _, done = env.step(action)
-            parts += [f"<action>{action}</action>", obs]
+        policy = env.reference_policy(task)
+        parts += rollout.scripted_text(env, task, policy)
         parts.append(memory_text(policy.knowledge, task.id, env.info.get("score", 0.0)))
     return "\n".join(parts)
 

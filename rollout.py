@@ -269,6 +269,18 @@ def run_episodes(model, tokenizer, env, tasks, memory="", temperature=1.0, seed=
     return eps
 
 
+def scripted_text(env, task, policy) -> list[str]:
+    """One scripted episode as text, in the protocol's form: the first observation, then each
+    `<action>...</action>` and the observation it gave (what a small model's BPE is trained on)."""
+    obs, done = env.reset(task), False
+    parts = [obs]
+    while not done:
+        action = policy(obs)
+        obs, _, done = env.step(action)
+        parts += [f"<action>{action}</action>", obs]
+    return parts
+
+
 def run_scripted(tokenizer, env, tasks, policies, memory="", *, max_turns=None,
                  context_budget=1 << 30, system_prompt=ACTOR_SYSTEM, num_threads=8, enable_thinking=False):
     """The same loop with scripted agents (callables obs -> action, e.g. env.reference_policy) in
