@@ -192,6 +192,11 @@ class CarryingAgent:
         self.make_policy, self.carry = make_policy, carry
         self.policy, self.context, self.saved, self.queued = make_policy(), 0, False, None
 
+    def notes(self) -> list[str]:
+        """What the policy would carry; [] for a policy with no notes() (the standard family's)."""
+        notes = getattr(self.policy, "notes", None)
+        return notes() if callable(notes) else []
+
     def __call__(self, ep) -> str:
         obs = ep.observations[-1]
         if ep.num_resets != self.context:           # a fresh context: the old one's state is gone
@@ -202,14 +207,14 @@ class CarryingAgent:
         if ep.reset_pending and self.carry:         # asked to save before the reset: take in the latest
             if self.queued is None:                 # observation first (policy.absorb, or a dropped action)
                 getattr(self.policy, "absorb", self.policy)(obs)
-            return write_action(self.policy.notes())
+            return write_action(self.notes())
         if self.queued is not None:                 # the action held back by a save
             action, self.queued = self.queued, None
             return action
         action = self.policy(obs)
-        if self.carry and not self.saved and self.policy.notes():
+        if self.carry and not self.saved and self.notes():
             self.saved, self.queued = True, action
-            return write_action(self.policy.notes())
+            return write_action(self.notes())
         return action
 
 

@@ -473,6 +473,16 @@ def test_warmstart_rows_imitate_the_reference_through_resets(tmp_path):
     assert "memo[]" in trained and "<action>" in trained
 
 
+def test_warmstart_rows_with_both_families(tmp_path):
+    """--family both (the memory ablations' setting): the standard family's reference policies have no
+    notes() to carry; the warm start still builds its rows (it used to stop with an AttributeError)."""
+    cfg = tiny_cfg(tmp_path, env_weights="deepresearch=1", warmstart_tasks=4, context_budget=700,
+                   max_new_tokens=64, max_turns=12, family="both")
+    _, tok = camg.build_model("tiny", "cpu", 0)
+    rows = camg.warmstart_rows(cfg, tok, camg.env_maker(cfg))
+    assert len(rows) >= 4 and all(any(mask) for _, mask in rows)
+
+
 def test_summary_pairs_tasks_and_counts_resets():
     def res(succ, resets):
         return {"success": sum(succ), "score": 0.0, "num": len(succ), "failed": 0,
