@@ -201,9 +201,9 @@ class CarryingAgent:
         obs = ep.observations[-1]
         if ep.num_resets != self.context:           # a fresh context: the old one's state is gone
             self.context, self.policy, self.queued = ep.num_resets, self.make_policy(), None
-            if self.carry:
+            if self.carry and callable(getattr(self.policy, "notes", None)):
                 return f"shell: cat {CONTINUATION_PATH}"
-            obs = ep.observations[0]                # all it has left: the task
+            obs = ep.observations[0]                # all it has left (or, with no notes, needs): the task
         if ep.reset_pending and self.carry:         # asked to save before the reset: take in the latest
             if self.queued is None:                 # observation first (policy.absorb, or a dropped action)
                 getattr(self.policy, "absorb", self.policy)(obs)

@@ -134,7 +134,7 @@ def test_smoke_single_process_then_resume(tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert set(summary) == {"rl_effect", "per_env", "after_by_memory", "resets", "wall_s"}
     assert set(summary["rl_effect"]) == {"success_before", "success_after", "delta", "ci95", "tasks"}
-    assert set(summary["per_env"]) == {"shop", "deepresearch", "autoresearch"} and summary["rl_effect"]["tasks"] == 6
+    assert set(summary["per_env"]) == {"shop", "coding", "deepresearch", "autoresearch"} and summary["rl_effect"]["tasks"] == 8
     assert set(summary["resets"]) == {"episodes", "with_reset", "written_before_reset", "read_after_reset",
                                       "success_with_reset", "success_without_reset"}
     # resume (in-process, to save a start-up): the run dir has a checkpoint, so 3 steps continue at update 3
@@ -476,11 +476,12 @@ def test_warmstart_rows_imitate_the_reference_through_resets(tmp_path):
 def test_warmstart_rows_with_both_families(tmp_path):
     """--family both (the memory ablations' setting): the standard family's reference policies have no
     notes() to carry; the warm start still builds its rows (it used to stop with an AttributeError)."""
-    cfg = tiny_cfg(tmp_path, env_weights="deepresearch=1", warmstart_tasks=4, context_budget=700,
-                   max_new_tokens=64, max_turns=12, family="both")
     _, tok = camg.build_model("tiny", "cpu", 0)
-    rows = camg.warmstart_rows(cfg, tok, camg.env_maker(cfg))
-    assert len(rows) >= 4 and all(any(mask) for _, mask in rows)
+    for env in ("deepresearch", "shop"):     # a standard shop policy restarts from the task after a reset
+        cfg = tiny_cfg(tmp_path, env_weights=f"{env}=1", warmstart_tasks=6, context_budget=700,
+                       max_new_tokens=64, max_turns=12, family="both")
+        rows = camg.warmstart_rows(cfg, tok, camg.env_maker(cfg))
+        assert len(rows) >= 6 and all(any(mask) for _, mask in rows)
 
 
 def test_summary_pairs_tasks_and_counts_resets():
