@@ -1,4 +1,4 @@
-"""CAMG-RL: one policy trained on Shop, DeepResearch, AutoResearch (and Coding) with fully asynchronous
+"""CAMG-RL: one policy trained on Shop, DeepResearch, AutoResearch (and Coding: --env-weights) with fully asynchronous
 PPO (actor + critic, GAE, token-level decoupled loss) that learns file-based memory from the task reward.
 
     python camg.py                            # the laptop preset (~10 min on 2 cores): warm start, RL, before/after
@@ -10,8 +10,8 @@ PPO (actor + critic, GAE, token-level decoupled loss) that learns file-based mem
 
 The laptop preset is the paper's setting at small scale: long episodes in a small context, so that most
 episodes hit at least one CONTINUATION.md reset, on the relay task family of each environment (a fact
-seen early, e.g. a shopping note or a memo shown once, is needed after the reset: the task is solved
-only if the policy writes it down before the reset and reads it back after). Memory across the tasks
+seen early, e.g. a shopping note, a memo or a CI report shown once, is needed after the reset: the task
+is solved only if the policy writes it down before the reset and reads it back after). Memory across the tasks
 of a stream is an option (--family standard|both, --train-memory full, --eval-stream-len > 1), not the
 default. The model "small" is a 1.9M Qwen3 with a BPE trained on the environments' text; a warm start
 imitates the reference policies through the same rollout protocol before RL (see warm_start).
@@ -87,9 +87,9 @@ class Config:
     resume: bool = True             # resume from run_dir/ckpt when it exists (--no-resume: start over)
     seed: int = 0
     steps: int = 10                 # PPO updates (the paper: 200)
-    env_weights: str = "shop=1,coding=0,deepresearch=1,autoresearch=1"   # episode mix; 0 leaves an env out
+    env_weights: str = "shop=1,coding=0,deepresearch=1,autoresearch=1"   # episode mix; 0 leaves an env out (coding: opt in, each episode grades in a sandbox)
     family: str = "relay"           # task family: relay (facts cross a context reset) | standard (facts
-                                    # cross the tasks of a stream) | both; coding has the standard one only
+                                    # cross the tasks of a stream) | both
     batch_episodes: int = 8         # episodes per update
     rollout_batch: int = 8          # episodes a worker runs together (one batched generate per turn)
     num_workers: int = 1            # plain python: rollout worker processes; 0 = rollout inline, one process

@@ -28,18 +28,17 @@ from model import build_tokenizer, load_named, tiny
 from rollout import run_episodes
 
 # relay tasks per group of each environment's relay family (--family relay | both)
-RELAY = {"shop": {"relay_per_shopper": 4}, "deepresearch": {"relay_per_region": 3},
+RELAY = {"shop": {"relay_per_shopper": 4}, "coding": {"relay": True}, "deepresearch": {"relay_per_region": 3},
          "autoresearch": {"relay_per_group": 2}}
-STANDARD_OFF = {"shop": {"tasks_per_shopper": 0}, "deepresearch": {"tasks_per_region": 0},
-                "autoresearch": {"tasks_per_group": 0}}
+STANDARD_OFF = {"shop": {"tasks_per_shopper": 0}, "coding": {"standard": False},
+                "deepresearch": {"tasks_per_region": 0}, "autoresearch": {"tasks_per_group": 0}}
 
 def make_env(name: str, family: str = "relay"):
     """A CAMG environment as this trainer uses it, with the tasks of `family` (relay / standard / both).
-    The coding env has the standard family only and keeps `.agent_memory/` across tasks when asked."""
-    if name == "coding":
-        return envs.make(name, keep_memory=True)
+    The coding env keeps `.agent_memory/` across tasks here, as the other three do by default (what a
+    task starts with is still the worker's memory mode)."""
     kw = {**(RELAY[name] if family != "standard" else {}), **(STANDARD_OFF[name] if family == "relay" else {})}
-    return envs.make(name, **kw)
+    return envs.make(name, keep_memory=True, **kw) if name == "coding" else envs.make(name, **kw)
 
 
 def env_maker(cfg):
@@ -50,7 +49,7 @@ def domain_text(seed: int = 99) -> str:
     """Deterministic sample of what the small model reads and writes: the reference policies' relay and
     standard episodes (observations and actions) and the protocol prompts; its BPE is trained on it."""
     parts = [rollout.ACTOR_SYSTEM, rollout.CONTINUATION_PROMPT, rollout.MEMORY_HEADER, NO_MEMORY + KEPT]
-    for name in RELAY:
+    for name in (n for n in RELAY if n != "coding"):   # a coding episode grades in a sandbox (seconds): left out
         env = make_env(name, "both")
         for task in env.tasks("train")[::7][:8]:
             parts += rollout.scripted_text(env, task, env.reference_policy(task))

@@ -39,6 +39,15 @@ turns left):
 - coding: 1 if resolved else 0 (CAMG's success).
 env.info: resolved, success, f2p_frac (fraction of FAIL_TO_PASS passing), solved_step.
 
+Relay family (Coding only: `make("coding", relay=True)`, `standard=False` leaves the tasks above out;
+camg.py's laptop preset): the same bug of every native task whose edits lie in one function
+(70 of the 90; task id `coding/<id>/relay`, difficulty 3, same split), without the issue text. The
+first observation says only that CI failed; the action `ci` shows the CI report once per episode:
+the failing (hidden) test ids and the bisected location, file, function and line. Under a small
+context budget the report is gone after a CONTINUATION.md reset, so the bug is found only if the
+location is written down before the reset and read back after it. `relay_policy` is its reference.
+Grading and reward are the standard ones.
+
 Streams (test split = the held-out long streams; train = every other task):
 - `test_stream()`: the benchmark's 19-task stream, 9 tablib tasks then 10 tenacity tasks;
 - `long_streams()`: {"tablib": 26 tasks, "tenacity": 27 tasks}; they include the 19-stream's
@@ -55,6 +64,7 @@ the sandbox is a namespace, not a VM (sandbox.py says what it does and does not 
 """
 
 import ast
+import functools
 import io
 import json
 import os
@@ -196,6 +206,68 @@ def test_stream(env_name: str = "codebase") -> list[Task]:
 
 
 test_stream.__test__ = False  # not a pytest test when imported into a test module
+
+
+def bug_location(data: dict) -> tuple[str, str, int] | None:
+    """(file, function, line) of a native task's bug in the bugged source: the innermost function
+    holding every edit (qualified, e.g. "Dataset.stack") and the first edit's line; None when the
+    edits span functions or files, or one lies outside any function."""
+    files = {e["file"]: (source_dir(data["repo"]) / e["file"]).read_text() for e in data["edits"]}
+    for e in data["edits"]:
+        files[e["file"]] = files[e["file"]].replace(e["old"], e["new"])
+    found = set()
+    for e in data["edits"]:
+        text = files[e["file"]]
+        line = text[:text.index(e["new"])].count("\n") + 1
+        best = None
+
+        def visit(body, prefix):
+            nonlocal best
+            for node in body:
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) \
+                        and node.lineno <= line <= node.end_lineno:
+                    if not isinstance(node, ast.ClassDef):
+                        best = ".".join((*prefix, node.name))
+                    visit(node.body, (*prefix, node.name))
+        visit(parse_python(text).body, ())
+        found.add((e["file"], best, line))
+    where = {(f, fn) for f, fn, _ in found}
+    if len(where) != 1 or None in next(iter(where)):
+        return None
+    return (*next(iter(where)), min(line for _, _, line in found))
+
+
+@functools.lru_cache(maxsize=2)
+def relay_tasks(env_name: str = "coding") -> tuple:
+    """The relay family (see the module docstring): a task per native task whose bug lies in one
+    function, with its location (data["location"]: file, function, line) and data["relay"] = True."""
+    out = []
+    for t in load_tasks(env_name):
+        where = bug_location(t.data)
+        if where is not None:
+            out.append(replace(t, id=f"{t.id}/relay", difficulty=3,
+                               data={**t.data, "relay": True, "location": list(where)}))
+    return tuple(out)
+
+
+def ci_report(data: dict, log_chars: int = 1500) -> str:
+    """The CI report a relay task's `ci` action shows (once): the failing tests (up to 5) and the bisected
+    location first, then a log of the tests that passed (about log_chars characters), so that, as in a
+    real CI log, the fact has to be picked out of a long observation."""
+    file, function, line = data["location"]
+    failed, passed = data["FAIL_TO_PASS"], data["PASS_TO_PASS"]
+    lines = [f"CI report (shown once): {len(failed)} of {len(failed) + len(passed)} tests failed on this commit.",
+             *(f"FAILED {t}" for t in failed[:5]), *([f"... and {len(failed) - 5} more FAILED"] if len(failed) > 5 else []),
+             f"Bisect: the failure comes from {file}, function {function} (line {line}).",
+             "The failing tests are not in your checkout. Fix that function, then submit.", "Log:"]
+    size = 0
+    for i, t in enumerate(passed):
+        if size > log_chars:
+            lines.append(f"... and {len(passed) - i} more PASSED")
+            break
+        lines.append(f"{t} PASSED")
+        size += len(lines[-1]) + 1
+    return "\n".join(lines)
 
 
 SWEBENCH_FIELDS = ("instance_id", "repo", "base_commit", "problem_statement", "patch", "test_patch",
@@ -512,6 +584,14 @@ class CodebaseEnv(WorkspaceEnv):
     def _memory_line(self) -> str:
         return ""
 
+    def _problem(self, task: Task) -> str:
+        """What the first observation says about the bug."""
+        return f"Issue:\n{task.data['issue'].strip()}"
+
+    def _own_action(self, text: str) -> str | None:
+        """The observation of an action of the env's own (not a shell command), or None."""
+        return None
+
     def reset(self, task: Task) -> str:
         kind = task.data.get("kind") if isinstance(task, Task) else None
         if kind not in ("native", "swebench"):
@@ -532,7 +612,7 @@ class CodebaseEnv(WorkspaceEnv):
         else:
             where, run, example = f"a checkout of {task.data['repo']}", "", "README*"
         return (f"You are fixing a bug in {where}; your shell starts in its root.\n"
-                f"Issue:\n{task.data['issue'].strip()}\n\n{ACTIONS.format(example=example)}\n"
+                f"{self._problem(task)}\n\n{ACTIONS.format(example=example)}\n"
                 + (f"{run}\n" if run else "") + self._memory_line()
                 + f"You have {self.max_steps} turns; each command or submit uses one.")
 
@@ -557,6 +637,8 @@ class CodebaseEnv(WorkspaceEnv):
         if not text or "\x00" in text:
             obs = ("Invalid action: give one shell command or `submit`.\n"
                    + ACTIONS.format(example=REPOS.get(self.task.data.get("repo"), REPOS["tablib"]).package))
+        elif (own := self._own_action(text)) is not None:
+            obs = own
         else:
             try:
                 res = self.workspace.run(text)
@@ -590,10 +672,46 @@ class CodingEnv(CodebaseEnv):
     there). Across tasks it follows the workspace's memory rule: blank unless keep_memory is set
     (`envs.make("coding", keep_memory=True)`), which carries the folder from one task to the next on
     this instance (a stream's file memory); set_memory_files() before a reset always decides what
-    that task starts with (the ablations: blank, shuffled, continuation only)."""
+    that task starts with (the ablations: blank, shuffled, continuation only).
+    relay=True adds the relay family (the module docstring; its own action `ci`), standard=False
+    leaves the standard tasks out."""
 
     name = "coding"
     FILE_MEMORY = True
+
+    def __init__(self, relay: bool = False, standard: bool = True, **kwargs):
+        if not (relay or standard):
+            raise ValueError("coding: relay=False and standard=False leave no tasks")
+        super().__init__(**kwargs)
+        self.config.update(relay=relay, standard=standard)
+        self.relay, self.standard, self.ci_shown = relay, standard, False
+
+    def tasks(self, split: str) -> list[Task]:
+        standard = super().tasks(split) if self.standard else []
+        return standard + ([t for t in relay_tasks(self.name) if t.split == split] if self.relay else [])
+
+    def reset(self, task: Task) -> str:
+        self.ci_shown = False
+        return super().reset(task)
+
+    def _problem(self, task: Task) -> str:
+        if not task.data.get("relay"):
+            return super()._problem(task)
+        return ("The CI run of this commit failed. Its report says which tests fail and where the bug is; "
+                "it is shown once per episode:\n  <action>ci</action>   show the CI report")
+
+    def _own_action(self, text: str) -> str | None:
+        if not self.task.data.get("relay") or text.lower() != "ci":
+            return None
+        if self.ci_shown:
+            return "The CI report was shown once already; it is not shown again."
+        self.ci_shown = True
+        return ci_report(self.task.data)
+
+    def reference_policy(self, task: Task):
+        if task.data.get("relay"):
+            return relay_policy(task)
+        return super().reference_policy(task)
 
     def score(self, resolved: bool, step: int) -> float:
         return float(resolved)
@@ -602,6 +720,51 @@ class CodingEnv(CodebaseEnv):
         if self.keep_memory:
             return f"Your notes folder {MEMORY_DIR}/ is kept between tasks.\n"
         return f"Your notes folder {MEMORY_DIR}/ lasts until this task ends.\n"
+
+
+def relay_policy(task: Task):
+    """The reference for a relay task, knowing the fix of every relay task of its repository but not
+    which one this is: `ci`, look at the reported function, apply the fix of that location (keyed by
+    file, function, line and first failing test), run the visible tests, submit. It takes the location
+    and its progress from any observation that shows them (the report, or a CONTINUATION.md holding
+    the lines notes() gives), so a fresh copy after a context reset resumes from the carried file;
+    without the location it cannot tell the fix and submits the workspace as it is."""
+    fixes = {(*t.data["location"], t.data["FAIL_TO_PASS"][0]): t.data["patch"]
+             for t in relay_tasks(task.env) if t.group == task.group}
+    files = " ".join(sorted({i.split("::")[0] for i in task.data["FAIL_TO_PASS"]}))
+    st = {"where": None, "asked": False, "done": 0}     # done: actions taken after the report
+
+    def absorb(obs: str) -> None:
+        failed = re.search(r"^FAILED (\S+)$", obs, re.M)
+        m = re.search(r"the failure comes from (\S+), function (\S+) \(line (\d+)\)", obs)
+        carried = re.search(r"^- CI: FAILED (\S+); bug in (\S+), function (\S+) \(line (\d+)\)$", obs, re.M)
+        if st["where"] is None and m and failed:
+            st["where"] = (m.group(1), m.group(2), int(m.group(3)), failed.group(1))
+        elif st["where"] is None and carried:
+            st["where"] = (carried.group(2), carried.group(3), int(carried.group(4)), carried.group(1))
+        progress = re.search(r"^- progress: done=(\d+)$", obs, re.M)
+        if progress:
+            st["done"] = max(st["done"], int(progress.group(1)))
+
+    def policy(obs: str) -> str:
+        absorb(obs)
+        if st["where"] is None:
+            if not st["asked"]:
+                st["asked"] = True
+                return "ci"
+            return "submit"                  # the report is gone and nothing says where the bug is
+        file, function, line, _ = st["where"]
+        patch = fixes.get(st["where"], "")
+        steps = [f"nl -ba {file} | sed -n '{max(1, line - 10)},{line + 30}p'",
+                 f"patch -p1 -R --no-backup-if-mismatch <<'{PATCH_EOF}'\n{patch}{PATCH_EOF}",
+                 f"python -m pytest -q -x --tb=short {files}"]
+        st["done"] += 1
+        return steps[st["done"] - 1] if st["done"] <= len(steps) and patch else "submit"
+
+    policy.absorb = absorb
+    policy.notes = lambda: ([f"- CI: FAILED {st['where'][3]}; bug in {st['where'][0]}, function {st['where'][1]} "
+                             f"(line {st['where'][2]})", f"- progress: done={st['done']}"] if st["where"] else [])
+    return policy
 
 
 require_cache_fn = require_cache  # CodebaseEnv's keyword argument shadows the function's name

@@ -134,7 +134,7 @@ def test_smoke_single_process_then_resume(tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert set(summary) == {"rl_effect", "per_env", "after_by_memory", "resets", "wall_s"}
     assert set(summary["rl_effect"]) == {"success_before", "success_after", "delta", "ci95", "tasks"}
-    assert set(summary["per_env"]) == {"shop", "coding", "deepresearch", "autoresearch"} and summary["rl_effect"]["tasks"] == 8
+    assert set(summary["per_env"]) == {"shop", "deepresearch", "autoresearch"} and summary["rl_effect"]["tasks"] == 6
     assert set(summary["resets"]) == {"episodes", "with_reset", "written_before_reset", "read_after_reset",
                                       "success_with_reset", "success_without_reset"}
     # resume (in-process, to save a start-up): the run dir has a checkpoint, so 3 steps continue at update 3

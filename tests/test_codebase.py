@@ -380,3 +380,58 @@ def test_coding_reference_policy_through_rollout():
             assert ep.info["resolved"] and ep.actions[-1] == "submit"
     finally:
         env.close()
+
+
+# ----------------------------------------------------------------------------- the relay family (CAMG's laptop preset)
+
+def test_coding_relay_family_shows_the_ci_report_once():
+    """Relay tasks: no issue text, the `ci` action shows the failing tests and the bug's location (the
+    bugged workspace holds the edit at that line, inside that function) once per episode; `ci` is a
+    plain shell command in a standard task; a coding env with neither family is refused."""
+    relay = make("coding", relay=True, standard=False)
+    both = make("coding", relay=True)
+    try:
+        tasks = relay.tasks("test")
+        assert tasks and relay.tasks("train") and {t.difficulty for t in tasks} == {3}
+        assert all(t.id.endswith("/relay") for t in tasks) and len(both.tasks("test")) == len(tasks) + len(make("coding").tasks("test"))
+        assert {t.data["id"] for t in cb.relay_tasks()} < {t.data["id"] for t in ALL_TASKS}
+        task = next(t for t in tasks if t.group == "tenacity")
+        obs = relay.reset(task)
+        assert task.data["issue"].strip()[:40] not in obs and "<action>ci</action>" in obs
+        report, _, done = relay.step("ci")
+        file, function, line = task.data["location"]
+        assert not done and f"FAILED {task.data['FAIL_TO_PASS'][0]}" in report
+        assert f"{file}, function {function} (line {line})" in report
+        source = (relay.workdir / file).read_text().splitlines()
+        assert task.data["edits"][0]["new"].strip().splitlines()[0] in "\n".join(source[line - 1:])
+        assert f"def {function.rsplit('.', 1)[-1]}" in "\n".join(source[:line])
+        again, _, _ = relay.step("ci")
+        assert "shown once already" in again and "FAILED" not in again
+        standard = next(t for t in both.tasks("test") if not t.data.get("relay"))
+        both.reset(standard)
+        assert "FAILED" not in both.step("ci")[0]
+        with pytest.raises(ValueError, match="leave no tasks"):
+            make("coding", relay=False, standard=False)
+    finally:
+        relay.close()
+        both.close()
+
+
+def test_relay_tasks_need_the_fact_carried_across_a_context_reset():
+    """At camg.py's preset (context budget, turns, reply length, its "small" BPE) the reference policy,
+    knowing only its current context, resolves every sampled relay task (both repositories), each
+    through a reset; the same policy without CONTINUATION.md (it starts over after a reset: the report
+    is not shown again) fails every task it resets in."""
+    import camg
+    import camg_worker
+    cfg, tok = camg.Config(), camg_worker.small_tokenizer()
+    proto = camg_worker.make_env("coding", "relay")
+    tasks = proto.tasks("test")[::8]
+    assert {t.group for t in tasks} == {"tablib", "tenacity"}
+    carried, outcomes = camg_worker.reference_episodes(proto, tasks, tok, cfg)
+    assert all(ep.info.get("success") for ep in carried), [(ep.task.id, ep.error) for ep in carried if not ep.info.get("success")]
+    assert all(ep.num_resets > 0 for ep in carried)
+    assert all(o["before"] == "written" and o["read"] for out in outcomes for o in out)
+    lost, _ = camg_worker.reference_episodes(camg_worker.make_env("coding", "relay"), tasks, tok, cfg, carry=False)
+    reset = [ep for ep in lost if ep.num_resets]
+    assert reset and not any(ep.info.get("success") for ep in reset)
