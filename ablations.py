@@ -78,7 +78,9 @@ def mean_std(xs, scale: float = 1.0, sign: str = "+") -> str:
     xs = [x * scale for x in xs if x is not None]
     if not xs:
         return "n/a"
-    return f"{statistics.mean(xs):{sign}.2f} ± {statistics.stdev(xs) if len(xs) > 1 else 0.0:.2f}"
+    if len(xs) == 1:                  # no spread from one seed: say so rather than print ± 0.00
+        return f"{xs[0]:{sign}.2f} (1 seed)"
+    return f"{statistics.mean(xs):{sign}.2f} ± {statistics.stdev(xs):.2f}"
 
 
 def finish(root: Path, table: str, results: dict, failures: list, prog: str) -> None:

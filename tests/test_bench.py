@@ -359,7 +359,7 @@ def test_ablations_table_trains_resumes_and_reports(tmp_path, capsys):
     out = capsys.readouterr().out
     for name in ("full RIME", "--writer frozen"):
         row = next(l for l in out.splitlines() if l.startswith(f"| {name} |"))
-        assert "| 1 |" in row and "±" in row
+        assert "| 1 |" in row and "(1 seed)" in row and "±" not in row   # no spread from one seed
     assert (tmp_path / "table.md").exists() and (tmp_path / "full_RIME" / "seed0" / "final" / "config.json").exists()
     # the variants share the seed's warm start and its before-RL evaluation of the same weights
     warm = json.loads((tmp_path / "_warmstart" / "seed0" / "summary.json").read_text())
