@@ -1,21 +1,15 @@
 """Codebase Adaptation (RIME) and Coding (CAMG): fix real bugs in real repositories with a shell.
 
-Both environments serve the same bug-fix tasks in two pinned PyPI releases, `tablib` 3.10.0 and
-`tenacity` 9.2.1, whose sdists ship their test suites:
+This file holds the environments: the workspace an episode runs in, the grader, CodebaseEnv,
+CodingEnv and their reference policies. The tasks themselves (the pinned repositories, the cache,
+the task files, streams, relay copies, SWE-bench rows) are in codebase_tasks.py; every name there
+is importable from here too (`codebase.load_tasks`, `codebase.REPOS`, ...).
 
     python codebase.py fetch         # once, at set-up: sdists + test deps into the local cache
     env = make("codebase")           # or make("coding")
     obs = env.reset(env.tasks("test")[0])
     obs, reward, done = env.step("grep -n 'def stack' src/tablib/core.py")   # any shell command
     obs, reward, done = env.step("submit")                                    # grade and end
-
-A task (data/codebase/<repo>.json; 48 tablib and 42 tenacity tasks) is an issue written like a
-user's bug report, `edits` that inject the bug into the pristine source (its unified diff is
-`patch`), hidden FAIL_TO_PASS tests (fail with the bug, pass on the pristine source) and
-PASS_TO_PASS tests (the other fast, passing tests of the same test modules). `origin` says whether
-the bug is real (a fix released between two versions, reversed; `source` names it) or injected.
-Difficulty: 0 = a one-line slip, 1 = a few lines of one function, 2 = a logic bug across
-functions. `data/codebase/build.py` computed the test lists.
 
 Episode: the workspace (env.workdir) holds the repository at the bugged state as a git repo, with
 the FAIL_TO_PASS test functions cut out of its test files. Every action is a shell command run
@@ -39,24 +33,14 @@ turns left):
 - coding: 1 if resolved else 0 (CAMG's success).
 env.info: resolved, success, f2p_frac (fraction of FAIL_TO_PASS passing), solved_step.
 
-Relay family (Coding only: `make("coding", relay=True)`, `standard=False` leaves the tasks above out;
-camg.py's laptop preset): the same bug of every native task whose edits lie in one function
-(70 of the 90; task id `coding/<id>/relay`, difficulty 3, same split), without the issue text. The
-first observation says only that CI failed; the action `ci` shows the CI report once per episode:
-the failing (hidden) test ids and the bisected location, file, function and line. Under a small
+Relay family (Coding only: `make("coding", relay=True)`, `standard=False` leaves the standard tasks
+out; camg.py's laptop preset): codebase_tasks.relay_tasks, a copy of every bug that lies in one
+function, without the issue text. The first observation says only that CI failed; the action `ci`
+shows the CI report once per episode: the failing (hidden) test ids and the bisected location,
+file, function and line. Under a small
 context budget the report is gone after a CONTINUATION.md reset, so the bug is found only if the
 location is written down before the reset and read back after it. `relay_policy` is its reference.
 Grading and reward are the standard ones.
-
-Streams (test split = the held-out long streams; train = every other task):
-- `test_stream()`: the benchmark's 19-task stream, 9 tablib tasks then 10 tenacity tasks;
-- `long_streams()`: {"tablib": 26 tasks, "tenacity": 27 tasks}; they include the 19-stream's
-  tasks, never a train task.
-
-`load_swebench_jsonl(path, repo_root)` turns SWE-bench rows (instance_id, repo, base_commit,
-problem_statement, patch, test_patch, FAIL_TO_PASS, PASS_TO_PASS, test_command, test_timeout) into
-Tasks both envs run from local git checkouts (test_patch applied only in the grading copy); bad
-input is a one-line ValueError.
 
 Simplified on purpose: the hidden tests come from the release's own test files, not from the
 upstream PR's test patch; test dependencies are pip-installed into the cache, not per-task images;
@@ -64,9 +48,7 @@ the sandbox is a namespace, not a VM (sandbox.py says what it does and does not 
 """
 
 import ast
-import functools
 import io
-import json
 import os
 import random
 import re
@@ -80,238 +62,19 @@ import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from codebase_tasks import (DATA_DIR, REPOS, ROOT, SWEBENCH_FIELDS, TEST_DEPS, RepoSpec,  # noqa: F401  (re-exported)
+                            bug_location, cache_dir, ci_report, deps_dir, fetch, load_swebench_jsonl,
+                            load_tasks, long_streams, relay_tasks, require_cache, source_dir, test_stream)
 from grader import distrust, junit_key, parse_python, plant_controls, read_report
 from workspace import MEMORY_DIR, Task, Workspace, WorkspaceEnv
 
-ROOT = Path(__file__).resolve().parent
-DATA_DIR = ROOT / "data" / "codebase"
 MAX_STEPS = 40            # the RIME benchmark's turn budget
 COMMAND_TIMEOUT = 30.0    # seconds per agent shell command
 GRADE_TIMEOUT = 120.0     # seconds for one hidden-test run
 OBS_CHARS = 2000          # command output shown to the agent (head and tail kept)
 PATCH_EOF = "RIME_PATCH_EOF"  # heredoc delimiter of the reference policy's patch
-DEPS_MOUNT = "/opt/rime-deps"  # where a sandbox sees the test dependencies (a neutral path, not the cache's)
-
-
-@dataclass(frozen=True)
-class RepoSpec:
-    name: str
-    version: str
-    package: str            # importable package inside the sdist: what the agent fixes
-    pythonpath: str         # relative dir put on PYTHONPATH so tests import the package
-    copy: tuple             # sdist paths copied into workspace and grading dir
-    drop: tuple = ()        # test files whose optional deps we do not install
-
-
-REPOS = {
-    "tablib": RepoSpec("tablib", "3.10.0", "src/tablib", "src", ("src/tablib", "tests", "README.md")),
-    "tenacity": RepoSpec("tenacity", "9.2.1", "tenacity", ".", ("tenacity", "tests", "README.rst"),
-                         drop=("tests/test_tornado.py",)),
-}
-# tablib's test module imports xlrd, odf and openpyxl at the top and tests xls/cli export; all
-# pure Python. Installed with --no-deps into the cache (pinned, so the test lists stay valid).
-TEST_DEPS = ("xlrd==2.0.2", "xlwt==1.3.0", "odfpy==1.4.1", "defusedxml==0.7.1",
-             "openpyxl==3.1.5", "et-xmlfile==2.0.0", "tabulate==0.10.0")
 PYTEST_INI = "[pytest]\naddopts = -p no:cacheprovider\n"   # replaces tablib's (it needs pytest-cov)
-
-
-def cache_dir() -> Path:
-    """<repo>/.cache/codebase, or $RIME_CACHE/codebase when RIME_CACHE is set."""
-    return Path(os.environ.get("RIME_CACHE") or ROOT / ".cache") / "codebase"
-
-
-def source_dir(repo: str) -> Path:
-    spec = REPOS[repo]
-    return cache_dir() / f"{spec.name}-{spec.version}"
-
-
-def deps_dir() -> Path:
-    return cache_dir() / "deps"
-
-
-def require_cache() -> None:
-    missing = [str(p) for p in [*(source_dir(r) for r in REPOS), deps_dir() / ".complete"] if not p.exists()]
-    if missing:
-        raise RuntimeError(f"codebase cache missing ({', '.join(missing)}): run `python codebase.py fetch` "
-                           "once at set-up (it needs the PyPI registry; RIME_CACHE moves the cache root)")
-
-
-def _pip(args: list[str], what: str) -> None:
-    cmd = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check", *args]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        raise RuntimeError(f"fetch: could not {what} (needs the PyPI registry):\n  {' '.join(cmd)}\n"
-                           + "\n".join((res.stderr or res.stdout).strip().splitlines()[-3:]))
-
-
-def fetch(log=print) -> Path:
-    """Download the pinned sdists, unpack them into the cache, install test deps. Idempotent:
-    what is already in the cache is kept (delete the cache folder to fetch again)."""
-    cache = cache_dir()
-    cache.mkdir(parents=True, exist_ok=True)
-    for spec in REPOS.values():
-        dest = source_dir(spec.name)
-        if dest.exists():
-            log(f"{spec.name} {spec.version}: already in {dest}")
-            continue
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            _pip(["download", "--no-deps", "--no-binary", ":all:", f"{spec.name}=={spec.version}", "-d", tmp],
-                 f"download the {spec.name} {spec.version} sdist")
-            (sdist,) = Path(tmp).glob("*.tar.gz")
-            with tarfile.open(sdist) as tar:
-                tar.extractall(tmp, filter="data")
-            shutil.move(Path(tmp) / f"{spec.name}-{spec.version}", dest)  # all or nothing
-        log(f"{spec.name} {spec.version}: unpacked into {dest}")
-    if (deps_dir() / ".complete").exists():
-        log(f"test dependencies: already in {deps_dir()}")
-    else:
-        _pip(["install", "--no-deps", "--upgrade", "--target", str(deps_dir()), *TEST_DEPS],
-             "install the test dependencies")
-        (deps_dir() / ".complete").write_text("\n".join(TEST_DEPS) + "\n")
-        log(f"test dependencies: installed into {deps_dir()} ({', '.join(TEST_DEPS)})")
-    return cache
-
-
-# ----------------------------------------------------------------------------- tasks and streams
-
-def _load_repo_data(repo: str) -> dict:
-    path = DATA_DIR / f"{repo}.json"
-    assert path.exists(), f"task data {path} is missing"
-    return json.loads(path.read_text())
-
-
-def load_tasks(env_name: str = "codebase") -> list[Task]:
-    """Every task of both repositories, in file order. split 'test' = in a held-out long stream."""
-    tasks = []
-    for repo in REPOS:
-        data = _load_repo_data(repo)
-        held_out = set(data["long_stream"])
-        for t in data["tasks"]:
-            split = "test" if t["id"] in held_out else "train"
-            tasks.append(Task(id=f"{env_name}/{t['id']}", env=env_name, difficulty=t["difficulty"],
-                              group=repo, split=split, data={**t, "repo": repo, "kind": "native"}))
-    return tasks
-
-
-def long_streams(env_name: str = "codebase") -> dict[str, list[Task]]:
-    """The held-out long streams: {'tablib': 26 tasks, 'tenacity': 27 tasks}, in stream order."""
-    by_id = {t.data["id"]: t for t in load_tasks(env_name)}
-    return {repo: [by_id[i] for i in _load_repo_data(repo)["long_stream"]] for repo in REPOS}
-
-
-def test_stream(env_name: str = "codebase") -> list[Task]:
-    """The benchmark's 19-task stream: 9 tablib tasks then 10 tenacity tasks."""
-    by_id = {t.data["id"]: t for t in load_tasks(env_name)}
-    return [by_id[i] for repo in REPOS for i in _load_repo_data(repo)["test_stream"]]
-
-
-test_stream.__test__ = False  # not a pytest test when imported into a test module
-
-
-def bug_location(data: dict) -> tuple[str, str, int] | None:
-    """(file, function, line) of a native task's bug in the bugged source: the innermost function
-    holding every edit (qualified, e.g. "Dataset.stack") and the first edit's line; None when the
-    edits span functions or files, or one lies outside any function."""
-    files = {e["file"]: (source_dir(data["repo"]) / e["file"]).read_text() for e in data["edits"]}
-    for e in data["edits"]:
-        files[e["file"]] = files[e["file"]].replace(e["old"], e["new"])
-    found = set()
-    for e in data["edits"]:
-        text = files[e["file"]]
-        line = text[:text.index(e["new"])].count("\n") + 1
-        best = None
-
-        def visit(body, prefix):
-            nonlocal best
-            for node in body:
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) \
-                        and node.lineno <= line <= node.end_lineno:
-                    if not isinstance(node, ast.ClassDef):
-                        best = ".".join((*prefix, node.name))
-                    visit(node.body, (*prefix, node.name))
-        visit(parse_python(text).body, ())
-        found.add((e["file"], best, line))
-    where = {(f, fn) for f, fn, _ in found}
-    if len(where) != 1 or None in next(iter(where)):
-        return None
-    return (*next(iter(where)), min(line for _, _, line in found))
-
-
-@functools.lru_cache(maxsize=2)
-def relay_tasks(env_name: str = "coding") -> tuple:
-    """The relay family (see the module docstring): a task per native task whose bug lies in one
-    function, with its location (data["location"]: file, function, line) and data["relay"] = True."""
-    out = []
-    for t in load_tasks(env_name):
-        where = bug_location(t.data)
-        if where is not None:
-            out.append(replace(t, id=f"{t.id}/relay", difficulty=3,
-                               data={**t.data, "relay": True, "location": list(where)}))
-    return tuple(out)
-
-
-def ci_report(data: dict, log_chars: int = 1500) -> str:
-    """The CI report a relay task's `ci` action shows (once): the failing tests (up to 5) and the bisected
-    location first, then a log of the tests that passed (about log_chars characters), so that, as in a
-    real CI log, the fact has to be picked out of a long observation."""
-    file, function, line = data["location"]
-    failed, passed = data["FAIL_TO_PASS"], data["PASS_TO_PASS"]
-    lines = [f"CI report (shown once): {len(failed)} of {len(failed) + len(passed)} tests failed on this commit.",
-             *(f"FAILED {t}" for t in failed[:5]), *([f"... and {len(failed) - 5} more FAILED"] if len(failed) > 5 else []),
-             f"Bisect: the failure comes from {file}, function {function} (line {line}).",
-             "The failing tests are not in your checkout. Fix that function, then submit.", "Log:"]
-    size = 0
-    for i, t in enumerate(passed):
-        if size > log_chars:
-            lines.append(f"... and {len(passed) - i} more PASSED")
-            break
-        lines.append(f"{t} PASSED")
-        size += len(lines[-1]) + 1
-    return "\n".join(lines)
-
-
-SWEBENCH_FIELDS = ("instance_id", "repo", "base_commit", "problem_statement", "patch", "test_patch",
-                   "FAIL_TO_PASS", "PASS_TO_PASS", "test_command", "test_timeout")
-
-
-def load_swebench_jsonl(path, repo_root, env_name: str = "coding") -> list[Task]:
-    """SWE-bench rows -> Tasks. repo_root: a git checkout, or a folder of checkouts named after
-    the repo's last part ("jazzband/tablib" -> repo_root/tablib), holding base_commit (nothing is
-    fetched). test_command must run pytest: the test ids are appended to it, with --junitxml.
-    A missing file, a row without the fields above or a repository not available offline raises
-    ValueError with a one-line message."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"SWE-bench file {path} does not exist")
-    tasks = []
-    for num, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{num}: not a JSON object ({exc})") from None
-        missing = [f for f in SWEBENCH_FIELDS if not isinstance(row, dict) or f not in row]
-        if missing:
-            raise ValueError(f"{path}:{num}: row lacks {', '.join(missing)} (SWE-bench rows need {', '.join(SWEBENCH_FIELDS)})")
-        root = Path(repo_root)
-        checkout = root if (root / ".git").exists() else root / str(row["repo"]).split("/")[-1]
-        if not (checkout / ".git").exists():
-            raise ValueError(f"{path}:{num}: {row['repo']} is not available offline: no git checkout at {checkout}")
-        found = subprocess.run(["git", "-C", str(checkout), "cat-file", "-e", f"{row['base_commit']}^{{commit}}"],
-                               capture_output=True)
-        if found.returncode != 0:
-            raise ValueError(f"{path}:{num}: the checkout {checkout} lacks base_commit {row['base_commit']}")
-        data = {k: row[k] for k in SWEBENCH_FIELDS}
-        for k in ("FAIL_TO_PASS", "PASS_TO_PASS"):   # the HF dataset stores these as JSON strings
-            try:
-                data[k] = json.loads(data[k]) if isinstance(data[k], str) else list(data[k])
-            except (json.JSONDecodeError, TypeError):
-                raise ValueError(f"{path}:{num}: {k} must be a list of test ids (or one as a JSON string)") from None
-        data.update(kind="swebench", checkout=str(checkout.resolve()), issue=row["problem_statement"])
-        tasks.append(Task(id=f"{env_name}/{row['instance_id']}", env=env_name, difficulty=1,
-                          group=row["repo"], split="test", data=data))
-    return tasks
+DEPS_MOUNT = "/opt/rime-deps"  # where a sandbox sees the test dependencies (a neutral path, not the cache's)
 
 
 # ----------------------------------------------------------------------------- workspaces
@@ -396,7 +159,9 @@ def prepare_workspace(data: dict, workdir: Path) -> None:
     subprocess.run([*git, "init", "-q"], check=True, env=env)
     (workdir / ".git" / "info").mkdir(parents=True, exist_ok=True)
     (workdir / ".git" / "info" / "exclude").write_text(f"{MEMORY_DIR}/\n__pycache__/\n")
-    subprocess.run([*git, "add", "-A"], check=True, env=env)
+    # the blobs go straight into one pack (git's bulk check-in), not into some 50 directories of loose
+    # objects: making and deleting those is most of a reset's time on some filesystems (ext4 with discard)
+    subprocess.run([*git, "-c", "core.bigFileThreshold=1", "add", "-A"], check=True, env=env)
     subprocess.run([*git, "commit", "-q", "--no-gpg-sign", "-m", "task start"], check=True, env=env)
 
 

@@ -25,7 +25,8 @@ ALLOWED = {
     "workspace": {"sandbox"},
     **{name: {"workspace", "sandbox"} for name in ENVIRONMENTS},
     "grader": set(),                              # codebase's trust checks of a pytest run: pure
-    "codebase": {"workspace", "sandbox", "grader"},
+    "codebase_tasks": {"workspace", "grader"},    # codebase's data: repositories, cache, tasks, streams
+    "codebase": {"codebase_tasks", "workspace", "sandbox", "grader"},
     "envs": {"workspace"} | ENVIRONMENTS,
     "rewards": set(),                             # pure functions of numbers and tensors
     "chat_api": set(),                            # the HTTP client for OpenAI-compatible endpoints
