@@ -652,6 +652,12 @@ def main(argv=None) -> Run:
     return run
 
 
+def _ci(interval) -> str:
+    """"[lo, hi]", or "n/a" when there is none (one stream; null once read back from JSON)."""
+    lo, hi = interval if interval else (None, None)
+    return "n/a" if lo is None or hi is None or lo != lo else f"[{lo:+.2f}, {hi:+.2f}]"
+
+
 def report(run: Run, after: dict, wall_s: float) -> None:
     """summary.json (with rl_effect), gain.png, and the before/after table with 95% CIs."""
     before, warm = run.state["eval_before"], run.state["warm"] or {}
@@ -666,11 +672,9 @@ def report(run: Run, after: dict, wall_s: float) -> None:
           "| cumulative gain (95% CI) |")
     print("|---|---|---|---|---|")
     for name, ev in (("before RL", before), ("after RL", after)):
-        lo, hi = ev["gain_ci95"]
         print(f"| {name} | {ev['validity']:.2f} | {ev['cumulative_reward']:.2f} | "
-              f"{ev['cumulative_scratch']:.2f} | {ev['cumulative_gain']:+.2f} [{lo:+.2f}, {hi:+.2f}] |")
-    lo, hi = effect["ci95"]
-    print(f"\nRL effect on gain: {effect['delta']:+.2f} (95% CI [{lo:+.2f}, {hi:+.2f}], paired over {n} streams)")
+              f"{ev['cumulative_scratch']:.2f} | {ev['cumulative_gain']:+.2f} {_ci(ev['gain_ci95'])} |")
+    print(f"\nRL effect on gain: {effect['delta']:+.2f} (95% CI {_ci(effect['ci95'])}, paired over {n} streams)")
     infl = [ev.get("memory_influence") for ev in (before, after)]
     print("memory influence (share of later tasks whose actions change with memory): "
           + " -> ".join("n/a" if x is None or x != x else f"{x:.2f}" for x in infl))

@@ -379,3 +379,11 @@ def test_swebench_rows_reach_rime_with_a_clear_error(tmp_path):
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert p.stderr.strip().splitlines()[-1].startswith("rime.py: error: ") and "row lacks" in p.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_report_interval_is_na_without_one():
+    """One held-out stream has no CI: nan in memory, null once read back from summary.json
+    (--before-from); the report prints n/a instead of crashing."""
+    assert rime._ci([-0.1, 0.25]) == "[-0.10, +0.25]"
+    assert rime._ci([float("nan"), float("nan")]) == "n/a"
+    assert rime._ci([None, None]) == "n/a" and rime._ci(None) == "n/a"
