@@ -441,13 +441,23 @@ class Block(nn.Module):
 
 # ----------------------------------------------------------------------------- the model
 
+class Embedding(nn.Embedding):
+    """nn.Embedding (same parameter, name and init) whose random init is skipped on the meta device,
+    where from_state_dict builds the model before it assigns the loaded tensors: nn.Embedding's
+    normal_ on meta runs through torch._refs, which imports torch._dynamo (1-2 s once per process)."""
+
+    def reset_parameters(self):
+        if self.weight.device.type != "meta":
+            super().reset_parameters()
+
+
 class Transformer(nn.Module):
     """embed_tokens -> layers (Blocks; FSDP2 shards each) -> norm -> lm_head (tied to embed_tokens or not)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList([Block(config, i) for i in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centred=config.arch == "qwen3_5")
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -31,9 +31,27 @@ def _metrics(run_dir):
         return [json.loads(line) for line in f]
 
 
-def test_smoke_run(tmp_path):
-    run = str(tmp_path / "run")
-    p = _run([sys.executable, "rime.py", "--model", "tiny", "--steps", "1", "--run-dir", run])
+# the smoke command: warm start, one RL step, both evaluations and the report, in a fresh process
+SMOKE = ["rime.py", "--model", "tiny", "--steps", "1", "--warmstart-steps", "2", "--warmstart-streams", "2",
+         "--warmstart-batch", "2", "--warmstart-threshold", "1.0", "--eval-streams", "2", "--eval-segment", "1"]
+
+
+def _smoke(run, hashseed):
+    return _run([sys.executable, *SMOKE, "--run-dir", run], env_extra={"PYTHONHASHSEED": hashseed})
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """One smoke run, shared: test_smoke_run reads its outputs, test_rerun_gives_the_same_figures
+    runs the same command once more and compares the figures."""
+    run = str(tmp_path_factory.mktemp("smoke") / "run")
+    return run, _smoke(run, "1")
+
+
+def test_smoke_run(smoke):
+    """The smoke command end to end: metrics, summary.json with rl_effect, the report, memories and
+    the policies in HF format (warmstart/, policy/, final/)."""
+    run, p = smoke
     assert "cumulative gain" in p.stdout and "before RL" in p.stdout
     rows = _metrics(run)
     rl = [r for r in rows if r["phase"] == "rl"]
@@ -52,6 +70,15 @@ def test_smoke_run(tmp_path):
     for d in ("final", "policy"):
         assert load(os.path.join(run, d)) is not None
     assert os.listdir(os.path.join(run, "memories")) == ["step0001.jsonl"]
+    assert summary["warmstart"]["steps"] == 2 and load(os.path.join(run, "warmstart")) is not None
+
+
+def test_loading_a_policy_draws_no_random_init(smoke):
+    """model.load builds the model on the meta device and assigns the checkpoint's tensors: no
+    parameter init runs there (nn.Embedding's would import torch._dynamo, 1-2 s per process)."""
+    code = ("import sys, model; m = model.load(sys.argv[1]); "
+            "print(m.embed_tokens.weight.device, m.lm_head.weight is m.embed_tokens.weight, 'torch._dynamo' in sys.modules)")
+    assert _run([sys.executable, "-c", code, os.path.join(smoke[0], "final")]).stdout.split() == ["cpu", "True", "False"]
 
 
 def test_resume_after_kill(tmp_path):
@@ -59,13 +86,14 @@ def test_resume_after_kill(tmp_path):
     import signal
     import time
     run = str(tmp_path / "run")
-    cmd = [sys.executable, "rime.py", "--model", "tiny", "--steps", "6", "--run-dir", run]
+    cmd = [sys.executable, "rime.py", "--model", "tiny", "--steps", "3", "--eval-streams", "1", "--eval-segment", "1",
+           "--run-dir", run]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     deadline = time.time() + 240
     try:
         # metrics for step 2 are written just before step 2's checkpoint: kill as soon as they appear,
-        # so the run dies mid-way with at least step 1's checkpoint on disk
+        # so the run dies mid-way (step 3 still to come) with at least step 1's checkpoint on disk
         while time.time() < deadline and proc.poll() is None:
             if os.path.exists(os.path.join(run, "metrics.jsonl")) and \
                     any(r["phase"] == "rl" and r["step"] >= 2 for r in _metrics(run)):
@@ -84,7 +112,7 @@ def test_resume_after_kill(tmp_path):
     resumed_at = int(p.stdout.split("at RL step ")[1].split()[0])
     assert resumed_at >= 1 and resumed_at <= max(done)
     # every step after the checkpoint is run (again, if it was lost with the kill), up to the last one
-    assert steps[len(done):] == list(range(resumed_at + 1, 7))
+    assert steps[len(done):] == list(range(resumed_at + 1, 4))
     # the evaluation before RL is not repeated on resume
     assert [r["step"] for r in _metrics(run) if r["phase"] == "eval" and not r.get("final")] == [0]
 
@@ -92,7 +120,8 @@ def test_resume_after_kill(tmp_path):
 def test_torchrun_two_ranks(tmp_path):
     run = str(tmp_path / "run")
     p = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29631",
-              "rime.py", "--model", "tiny", "--steps", "1", "--run-dir", run], timeout=400)
+              "rime.py", "--model", "tiny", "--steps", "1", "--eval-streams", "1", "--eval-segment", "1",
+              "--run-dir", run], timeout=400)
     rl = [r for r in _metrics(run) if r["phase"] == "rl"]
     assert len(rl) == 1                     # rank 0 writes the metrics, once per step
     assert "cumulative gain" in p.stdout
@@ -149,8 +178,9 @@ def test_resume_restores_reference_and_writers(tmp_path, writer):
     """A run stopped after its step-1 checkpoint and resumed equals an uninterrupted run at step 2:
     the KL reference (the warm-started weights), the frozen writer (the weights RL started from),
     the decoupled writer's weights and both optimizers' states."""
-    base = ["--model", "tiny", "--warmstart-steps", "2", "--warmstart-streams", "2", "--warmstart-threshold", "1.0",
-            "--eval-streams", "1", "--max-turns", "3", "--writer", writer]
+    base = ["--model", "tiny", "--warmstart-steps", "2", "--warmstart-streams", "2", "--warmstart-batch", "2",
+            "--warmstart-threshold", "1.0", "--eval-streams", "1", "--eval-segment", "1", "--max-turns", "3",
+            "--writer", writer]
     whole = rime.main([*base, "--steps", "2", "--run-dir", str(tmp_path / "whole")])
     rime.main([*base, "--steps", "1", "--run-dir", str(tmp_path / "split")])     # "killed" after step 1's checkpoint
     resumed = rime.main([*base, "--steps", "2", "--run-dir", str(tmp_path / "split")])
@@ -170,17 +200,13 @@ def test_resume_restores_reference_and_writers(tmp_path, writer):
         assert _same(_params(whole.writer_learner.ref_model), _params(resumed.writer_learner.ref_model))
 
 
-def test_rerun_gives_the_same_figures(tmp_path):
+def test_rerun_gives_the_same_figures(smoke, tmp_path):
     """The same command twice (different hash seeds, as two fresh processes get) writes the same
     metrics, bar the timings."""
-    rows = []
-    for i, hashseed in enumerate(("1", "2")):
-        run = str(tmp_path / f"run{i}")
-        _run([sys.executable, "rime.py", "--model", "tiny", "--steps", "1", "--warmstart-steps", "2",
-              "--warmstart-streams", "2", "--warmstart-threshold", "1.0", "--eval-streams", "2", "--run-dir", run],
-             env_extra={"PYTHONHASHSEED": hashseed})
-        rows.append([{k: v for k, v in r.items() if k != "time" and not k.endswith("_s") and "per_s" not in k}
-                     for r in _metrics(run)])
+    rerun = str(tmp_path / "run")
+    _smoke(rerun, "2")
+    rows = [[{k: v for k, v in r.items() if k != "time" and not k.endswith("_s") and "per_s" not in k}
+             for r in _metrics(run)] for run in (smoke[0], rerun)]
     assert rows[0] == rows[1]
 
 
@@ -246,7 +272,8 @@ def test_ablation_switches_change_what_they_say():
 
 def test_decoupled_writer_trains_its_own_weights(tmp_path):
     run = str(tmp_path / "run")
-    rime.main(["--model", "tiny", "--steps", "1", "--writer", "decoupled", "--run-dir", run])
+    rime.main(["--model", "tiny", "--steps", "1", "--writer", "decoupled", "--eval-streams", "1", "--eval-segment", "1",
+               "--run-dir", run])
     rl = [r for r in _metrics(run) if r["phase"] == "rl"][0]
     assert "writer_version" in rl and rl["writer_version"] == 1 and rl["version"] == 1
 
@@ -335,7 +362,7 @@ def test_warm_start_teaches_the_format():
         batch = rng.sample(rows, 8)
         learner.update(make_batch([r[0] for r in batch], [[0] * len(r[1]) for r in batch],
                                   sft_mask=[r[1] for r in batch]))
-        if step % 20 == 0:
+        if step % 10 == 0:
             after = warmstart.format_validity(learner.gen_model, tok, env, held_out, args, turns=2)
             print(f"step {step}: validity {after:.2f}")
             if after > 0.9:
