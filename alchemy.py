@@ -252,6 +252,9 @@ def parse_observation(obs: str):
 
 # --- the environment ----------------------------------------------------------------------------
 
+_TASKS = {}   # (config, split) -> the tasks: deterministic in the config, read-only once made
+
+
 class AlchemyEnv:
     """Symbolic Alchemy behind the envs.py contract (see the module docstring for the rules)."""
 
@@ -267,14 +270,14 @@ class AlchemyEnv:
         self.trial_steps = trial_steps
         self.max_steps = num_trials * trial_steps
         self.info = {}
-        self._tasks = {}
         self._done = True
 
     def tasks(self, split: str) -> list:
         """Worlds 0..num_train-1 are "train", the next num_test are "test"; tasks sorted by world then difficulty."""
         if split not in ("train", "test"):
             raise ValueError(f"split must be 'train' or 'test', not {split!r}")
-        if split not in self._tasks:
+        key = (tuple(sorted(self.config.items())), split)
+        if key not in _TASKS:       # shared by every env of this config (clones included): each task is solved exactly
             c = self.config
             first = 0 if split == "train" else c["num_train_worlds"]
             count = c["num_train_worlds"] if split == "train" else c["num_test_worlds"]
@@ -285,8 +288,8 @@ class AlchemyEnv:
                     for j in range(c["tasks_per_level"]):
                         tasks.append(make_task(c["seed"], w, world, split, d, j,
                                                c["tasks_per_level"], c["num_trials"]))
-            self._tasks[split] = tasks
-        return list(self._tasks[split])
+            _TASKS[key] = tasks
+        return list(_TASKS[key])
 
     def reset(self, task: Task) -> str:
         if not isinstance(task, Task) or task.env != "alchemy":

@@ -116,20 +116,19 @@ def warm_start(learner, tokenizer, env, args, log) -> dict:
         g["lr"] = args.warmstart_lr
     from tqdm import tqdm
     bar = tqdm(range(1, args.warmstart_steps + 1), desc="warm start", disable=not is_rank0())
-    validity, step = before, 0
+    validity, step, score_after = before, 0, score_before
     for step in bar:
         batch = rng.sample(rows, min(args.warmstart_batch, len(rows)))
         b = make_batch([r[0] for r in batch], [[0] * len(r[1]) for r in batch], sft_mask=[r[1] for r in batch])
         stats = learner.update(b)
         bar.set_postfix(sft=f"{stats.get('sft_loss', 0):.3f}")
-        if step % 25 == 0 or step == args.warmstart_steps:
-            validity = format_validity(learner.gen_model, tokenizer, env, held_out, args)
+        if step % 25 == 0 or step == args.warmstart_steps:   # the last check is also the final figure
+            validity, score_after = format_validity(learner.gen_model, tokenizer, env, held_out, args, with_score=True)
             log({"phase": "warmstart", "step": step, "sft_loss": stats.get("sft_loss"), "validity": validity})
             if validity >= args.warmstart_threshold:
                 break
     for g in learner.optimizer.param_groups:
         g["lr"] = args.lr
-    validity, score_after = format_validity(learner.gen_model, tokenizer, env, held_out, args, with_score=True)
     log({"phase": "warmstart", "step": step, "validity": validity, "score": score_after, "final": True})
     return {"validity_before": before, "validity_after": validity, "steps": step,
             "score_before": score_before, "score_after": score_after}

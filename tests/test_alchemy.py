@@ -7,7 +7,7 @@ import statistics
 import pytest
 
 import envs
-from alchemy import (ALL_EDGES, COLOURS, FEATURE_NAMES, FEATURES, LEVELS, Chemistry, chemistry_of,
+from alchemy import (ALL_EDGES, COLOURS, AlchemyEnv, FEATURE_NAMES, FEATURES, LEVELS, Chemistry, chemistry_of,
                      format_notes, oracle_policy, parse_action, parse_notes, parse_observation, stone_text,
                      stone_value, trial_optimum)
 from envs import Task
@@ -322,3 +322,14 @@ def test_wrong_notes_are_overridden_by_observation(env, train):
     policy = env.reference_policy(task, knowledge=wrong)
     score, _ = play(env, task, policy)
     assert policy.knowledge["good"] == true_knowledge(task)["good"] and score > 0.5
+
+
+def test_tasks_are_made_once_per_config_and_handed_out_as_copies():
+    """Envs of one config (clones included) share the solved tasks; another config gets its own, and
+    a caller editing its list changes nobody else's."""
+    a, b = AlchemyEnv(num_trials=1), AlchemyEnv(num_trials=1)
+    first = a.tasks("test")
+    assert b.tasks("test") == first and b.clone().tasks("test")[0] is first[0]
+    first.clear()
+    assert len(a.tasks("test")) == 4 * 6 * 6
+    assert AlchemyEnv(num_trials=2).tasks("test")[0].data != a.tasks("test")[0].data
