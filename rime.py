@@ -27,6 +27,9 @@ Evaluation: `eval_streams` held-out 3+3 streams over the test worlds (never a tr
 memory and from scratch; summary.json's rl_effect holds the gain before and after RL and the 95% CI
 of their paired difference over the streams. For Alchemy a diagnostic that is not a reward is logged
 too: the share of the potion effects a memory states that are true, and how many of the 6 it states.
+--attribute then replays the stored memories across the actors before and after RL (attribution.py):
+the RL effect split into the writer's part and the actor's. --writer-temperature samples the writer's
+memories in RL at a temperature of their own (the actor reads them at the next task).
 
 Ablations (the paper's table): --no-explore, --writer frozen|decoupled, --actor frozen, --order
 shuffled, --segment 6, --beta / --explore-mode reward --lam, --k, --judge heuristic|local|openai;
@@ -50,6 +53,7 @@ from dataclasses import dataclass
 
 import torch
 
+import attribution
 import cli
 import curriculum
 import envs
@@ -97,6 +101,7 @@ class Args:
     behav_imp_weight_cap: float = 0.0  # drop tokens whose pi_prox/pi_behav exceeds this (0 = off; see ppo.policy_loss)
     clip_ratio_c: float = 0.0        # dual-clip bound for negative advantages (0 = off; verl uses 3.0)
     temperature: float = 1.0
+    writer_temperature: float = -1.0  # the writer's sampling temperature in RL (-1 = --temperature; see play_streams)
     max_turns: int = 24              # actor turns per task (paper 40)
     max_new_tokens: int = 24         # tokens per actor reply
     memory_tokens: int = 160         # memory cap in tokens (paper 2048)
@@ -115,6 +120,7 @@ class Args:
     swebench: str = ""               # --env codebase: evaluate on these SWE-bench JSONL rows instead of the 19-issue stream
     swebench_repos: str = ""         # a git checkout (or a folder of checkouts) holding the rows' base commits, offline
     eval_every: int = 0              # also evaluate every N RL steps (0 = only before and after)
+    attribute: bool = False          # after RL, replay each actor with the other's memories (attribution.py; 4-5 passes more)
     init_from: str = ""              # start from this HF policy (e.g. another run's final/); --model still sets the preset's sizes
     before_from: str = ""            # the run dir that policy came from (trained --steps 0 there): reuse its before-RL evaluation
     checkpoint_every: int = 1        # RL steps between checkpoints
@@ -150,7 +156,10 @@ class Args:
             check(getattr(self, name) >= 1, f"{cli.flag(name)} must be >= 1, got {getattr(self, name)}")
         for name in ("steps", "eval_every", "threads", "warmstart_steps"):
             check(getattr(self, name) >= 0, f"{cli.flag(name)} must be >= 0, got {getattr(self, name)}")
-        for name in ("lr", "warmstart_lr", "temperature"):
+        if self.writer_temperature < 0:
+            cli.check(self.writer_temperature == -1, "--writer-temperature must be > 0, or -1 (= --temperature)")
+            self.writer_temperature = self.temperature
+        for name in ("lr", "warmstart_lr", "temperature", "writer_temperature"):
             cli.check_number(name, getattr(self, name), lo=0, lo_open=True)
         for name in ("kl_coef", "clip_low", "clip_high", "beta", "lam", "eval_temperature"):
             cli.check_number(name, getattr(self, name), lo=0)
@@ -260,12 +269,16 @@ class StreamRollout:
 
 
 def play_streams(actor, writer, tokenizer, env, streams, args: Args, *, temperature: float, seed: int,
-                 on_task=None) -> list:
+                 on_task=None, writer_temperature: float = None) -> list:
     """Every stream with memory, all side by side: at each position t the actor solves task t of
     every stream with its memory M(t-1) (one batched call), then the writer reads each finished
     episode and rewrites the memory into M(t) (one batched call). actor and writer are one model
     under shared weights; a frozen or decoupled writer is another. Streams may repeat (the copies
-    of a GRPO group). Returns one StreamRollout per stream."""
+    of a GRPO group). writer_temperature (default: temperature) samples the writer apart from the
+    actor: the actor of task t+1 reads what the writer wrote at it, so a writer sampled cooler in RL
+    hands the actor memories closer to the greedy ones it is evaluated with. Returns one StreamRollout
+    per stream."""
+    writer_temperature = temperature if writer_temperature is None else writer_temperature
     lengths = {len(s) for s in streams}
     assert len(lengths) == 1, f"streams run in lockstep and must have one length, got {sorted(lengths)}"
     envs_ = [env] + [env.clone() for _ in streams[1:]]
@@ -277,7 +290,7 @@ def play_streams(actor, writer, tokenizer, env, streams, args: Args, *, temperat
                                    temperature=temperature, seed=seed * 7907 + t, max_turns=args.max_turns,
                                    max_new_tokens=args.max_new_tokens)
         # the writer: the finished episode and M(t-1) -> M(t), which replaces it
-        writes = rollout.write_memory(writer, tokenizer, eps, memories, temperature=temperature,
+        writes = rollout.write_memory(writer, tokenizer, eps, memories, temperature=writer_temperature,
                                       seed=seed * 7919 + t, memory_tokens=args.memory_tokens,
                                       traj_chars=args.traj_chars)
         for o, ep, w, old in zip(outs, eps, writes, memories):
@@ -329,7 +342,8 @@ def evaluate(model, tokenizer, env, streams, args: Args, writer_model=None) -> d
     out = {"cumulative_reward": mean(m.cumulative_reward for m in per_stream),
            "cumulative_scratch": mean(m.cumulative_scratch for m in per_stream),
            "cumulative_gain": mean(gains), "gain_ci95": list(rewards.mean_ci95(gains)[1:]),
-           "stream_gains": gains, "gains": [mean(g) for g in zip(*(m.gains for m in per_stream))],
+           "stream_gains": gains, "stream_rewards": [m.cumulative_reward for m in per_stream],
+           "stream_scratch": [m.cumulative_scratch for m in per_stream], "gains": [mean(g) for g in zip(*(m.gains for m in per_stream))],
            "validity": 1.0 - invalid / max(turns, 1), "streams": len(streams),
            # a diagnostic: the share of tasks after the first whose actions with memory differ from
            # the first from-scratch attempt's (0 under greedy decoding = the actor ignores its memory)
@@ -550,7 +564,7 @@ def rl_step(run: Run, step: int) -> dict:
     groups_of = [c // args.group_size for c in range(len(copies))]
     outs = play_streams(run.actor_model or learner.gen_model, run.writer_model or learner.gen_model, run.tokenizer,
                         run.env, copies, args, temperature=args.temperature,
-                        seed=args.seed * 7 + step * 1009 + run.d.rank)
+                        writer_temperature=args.writer_temperature, seed=args.seed * 7 + step * 1009 + run.d.rank)
     t_roll = time.time() - t0
     # the judge sees only the memory before and after each task, never the trajectory
     for o in outs:
@@ -647,9 +661,36 @@ def main(argv=None) -> Run:
     if run.d.is_main:
         after = evaluate_phase(run, run.state["step"], final=True)
         export_policy(run, run.path("final"))
-        report(run, after, time.time() - t_start)
+        attributed = attribution_phase(run, after) if args.attribute else None
+        report(run, after, time.time() - t_start, attributed)
     teardown_distributed()
     return run
+
+
+def attribution_phase(run: Run, after: dict) -> dict:
+    """The RL effect split into the writer's part and the actor's (attribution.py): the actor RL
+    started from and the trained one, each replayed with the other's held-out memories and with
+    another world's. The start weights are <run>/warmstart, else --init-from, else --model's own."""
+    from tqdm import tqdm
+    args = run.args
+    if os.path.isdir(run.path("warmstart")):
+        start = load(run.path("warmstart"))
+    elif args.init_from:
+        start = load(args.init_from)
+    else:
+        start = load_model(args.model, args.seed)[0]
+    actors = {"before RL": start.eval(), "after RL": (run.actor_model or run.learner.gen_model).eval()}
+    settings = dict(temperature=args.eval_temperature, max_turns=args.max_turns, max_new_tokens=args.max_new_tokens)
+    before = dict(run.state["eval_before"])
+    with tqdm(total=5, desc="attribution", leave=False) as bar:
+        if before.get("stream_scratch") is None:          # a reused evaluation from before they were stored
+            before["stream_scratch"] = attribution.scratch_of(before, start, run.tokenizer, run.env, run.streams, **settings)
+        bar.update(1)
+        result = attribution.attribute(actors, {"before RL": before, "after RL": after}, run.tokenizer, run.env,
+                                       run.streams, on_replay=lambda: bar.update(1), **settings)
+    run.log({"phase": "attribution", **{k: v for k, v in result.items() if k != "cells"},
+             "cells": {k: {n: c[n] for n in ("gain", "ci95")} for k, c in result["cells"].items()}})
+    return result
 
 
 def _ci(interval) -> str:
@@ -658,12 +699,13 @@ def _ci(interval) -> str:
     return "n/a" if lo is None or hi is None or lo != lo else f"[{lo:+.2f}, {hi:+.2f}]"
 
 
-def report(run: Run, after: dict, wall_s: float) -> None:
+def report(run: Run, after: dict, wall_s: float, attributed: dict = None) -> None:
     """summary.json (with rl_effect), gain.png, and the before/after table with 95% CIs."""
     before, warm = run.state["eval_before"], run.state["warm"] or {}
     effect = rl_effect(before, after)
     summary = {"rl_effect": effect, "warmstart": warm, "before": before, "after": after, "wall_s": wall_s,
-               "streams": [[t.id for t in s] for s in run.streams]}
+               "streams": [[t.id for t in s] for s in run.streams],
+               **({"attribution": attributed} if attributed else {})}
     with open(run.path("summary.json"), "w") as f:
         f.write(cli.dumps(summary, indent=2))
     plot_gain(before, after, run.path("gain.png"))
@@ -687,6 +729,9 @@ def report(run: Run, after: dict, wall_s: float) -> None:
         print(f"warm start ({run.args.warmstart_mode}): validity {warm['validity_before']:.2f} -> "
               f"{warm['validity_after']:.2f}, held-out score {warm['score_before']:.2f} -> {warm['score_after']:.2f} "
               f"(6-turn episodes) in {warm['steps']} steps")
+    if attributed:
+        print("where the RL effect comes from (each actor replayed with stored memories; gain vs its own from scratch):")
+        print(attribution.markdown(attributed))
     print(f"wall time {wall_s / 60:.1f} min; run dir {run.args.run_dir} (policy in HF format: {run.path('final')})")
 
 

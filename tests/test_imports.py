@@ -33,7 +33,8 @@ ALLOWED = {
     "judge": {"generate", "model", "chat_api"},   # pure, but for its optional local and HTTP backends
     "ppo_loss": set(),                            # the PPO objective: pure functions of tensors
     "ppo": {"ppo_loss"},                          # the learner knows nothing of agents or environments
-    "warmstart": {"curriculum", "rollout", "ppo", "alchemy"},   # RIME's warm start: scripted rows + sft in the learner
+    "warmstart": {"curriculum", "rollout", "ppo", "alchemy"},
+    "attribution": {"rewards", "rollout"},        # RIME's diagnostic: stored memories replayed across actors   # RIME's warm start: scripted rows + sft in the learner
     "published": set(),                           # the papers' published figures: data only
     "ablations": {"cli", "benchutil", "published"},   # runs rime.py / camg.py as subprocesses, never imports them
     "camg_memory": {"rollout"},                   # camg.py's parts: memory modes and the reset protocol,

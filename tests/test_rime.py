@@ -33,7 +33,8 @@ def _metrics(run_dir):
 
 # the smoke command: warm start, one RL step, both evaluations and the report, in a fresh process
 SMOKE = ["rime.py", "--model", "tiny", "--steps", "1", "--warmstart-steps", "2", "--warmstart-streams", "2",
-         "--warmstart-batch", "2", "--warmstart-threshold", "1.0", "--eval-streams", "2", "--eval-segment", "1"]
+         "--warmstart-batch", "2", "--warmstart-threshold", "1.0", "--eval-streams", "2", "--eval-segment", "1",
+         "--attribute"]
 
 
 def _smoke(run, hashseed):
@@ -49,8 +50,8 @@ def smoke(tmp_path_factory):
 
 
 def test_smoke_run(smoke):
-    """The smoke command end to end: metrics, summary.json with rl_effect, the report, memories and
-    the policies in HF format (warmstart/, policy/, final/)."""
+    """The smoke command end to end: metrics, summary.json with rl_effect and its attribution, the
+    report, memories and the policies in HF format (warmstart/, policy/, final/)."""
     run, p = smoke
     assert "cumulative gain" in p.stdout and "before RL" in p.stdout
     rows = _metrics(run)
@@ -65,6 +66,10 @@ def test_smoke_run(smoke):
     assert effect["streams"] == len(summary["streams"]) and len(effect["ci95"]) == 2
     assert all(0.0 <= summary[k]["memory_influence"] <= 1.0 for k in ("before", "after"))
     assert "memory influence" in p.stdout
+    # --attribute: the RL effect split into the writer's and the actor's parts (attribution.py)
+    parts = summary["attribution"]["parts"]
+    assert parts["total"]["delta"] == pytest.approx(effect["delta"]) and "writer part of the RL effect" in p.stdout
+    assert [r for r in rows if r["phase"] == "attribution"]
     # the trained policy in HF format, beside the checkpoint and at the end
     from model import load
     for d in ("final", "policy"):
@@ -150,6 +155,8 @@ def test_bad_config_is_a_clear_error(tmp_path):
     (["--memory-tokens", "0"], "--memory-tokens must be >= 1"), (["--eval-streams", "0"], "--eval-streams must be >= 1"),
     (["--warmstart-mode", "copy"], "--warmstart-mode must be protocol or imitation"),
     (["--eval-temperature", "-1"], "--eval-temperature must be a number in [0"),
+    (["--writer-temperature", "0"], "--writer-temperature must be a number in (0"),
+    (["--writer-temperature", "-2"], "--writer-temperature must be > 0, or -1"),
     (["--init-from", "/no/such/dir"], "--init-from '/no/such/dir': no such directory"),
     (["--before-from", "/tmp"], "--before-from reuses the evaluation of an --init-from policy")])
 def test_bad_values_are_one_line_errors(bad, msg, capsys):
@@ -268,6 +275,30 @@ def test_ablation_switches_change_what_they_say():
     # shared writer: trainable memories (all but each stream's last) give writer rows
     assert parts2["writer_rows"] > 0 and len(writer2) == parts2["writer_rows"]
     assert parts2["explore"] == pytest.approx(0.5)
+
+
+def test_writer_temperature_samples_the_writer_apart():
+    """--writer-temperature: the writer's replies (and so its rows) are sampled at their own
+    temperature, the actor's at --temperature; -1 (the default) means the same as --temperature."""
+    assert rime.parse_args(["--temperature", "0.7"]).writer_temperature == 0.7
+    args = rime.parse_args(["--model", "tiny", "--writer-temperature", "0.5", "--max-turns", "2",
+                            "--max-new-tokens", "4", "--memory-tokens", "8"])
+    assert args.temperature == 1.0 and args.writer_temperature == 0.5
+    model, tok, env, base, copies = _streams(args)
+    outs = rime.play_streams(model, model, tok, env, copies, args, temperature=args.temperature, seed=0,
+                             writer_temperature=args.writer_temperature)
+    assert {ep.temperature for o in outs for ep in o.episodes} == {1.0}
+    assert {w.temperature for o in outs for w in o.writes} == {0.5}
+    for c, o in enumerate(outs):     # as in the test above: scores and memories that keep every group
+        o.explore = [0.0] * len(o.tasks)
+        for t, ep in enumerate(o.episodes):
+            ep.score = 0.1 * (c + 1) * (t + 1)
+        for w in o.writes:
+            w.memory = f"### Repository Knowledge\n- fact {c}\n- fact two\n\n### Lessons & Pitfalls\n- l {w.raw[:3]!r}\n- m"
+            w.status = "ok"
+    actor, writer, _ = rime.rl_rows(outs, [c // args.group_size for c in range(len(copies))], args,
+                                    rollout.WRITER_SYSTEM)
+    assert actor and writer and {r[4] for r in actor} == {1.0} and {r[4] for r in writer} == {0.5}
 
 
 def test_decoupled_writer_trains_its_own_weights(tmp_path):

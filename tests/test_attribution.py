@@ -1,0 +1,58 @@
+"""attribution.py: replaying stored memories gives back the evaluation, and the RL effect splits
+into the writer's and the actor's parts exactly."""
+
+import pytest
+
+import attribution
+import envs
+import rime
+from model import tiny
+
+
+@pytest.fixture(scope="module")
+def two_evals():
+    args = rime.parse_args(["--model", "tiny", "--eval-streams", "4", "--eval-segment", "1", "--max-turns", "3",
+                            "--max-new-tokens", "8", "--memory-tokens", "24"])
+    env = envs.make("alchemy", num_trials=1)
+    streams = rime.eval_streams(env, args)
+    actors, evals = {}, {}
+    for name, seed in (("before RL", 0), ("after RL", 1)):
+        model, tok = tiny("qwen3", seed=seed)
+        actors[name] = model.eval()
+        evals[name] = rime.evaluate(model, tok, env, streams, args)
+    settings = dict(temperature=0.0, max_turns=args.max_turns, max_new_tokens=args.max_new_tokens)
+    return actors, evals, tok, env, streams, settings
+
+
+def test_a_replay_of_an_actors_own_memories_is_its_evaluation(two_evals):
+    actors, evals, tok, env, streams, settings = two_evals
+    for name, model in actors.items():
+        got = attribution.replay(model, tok, env, streams, evals[name]["memories"], **settings)
+        assert got == pytest.approx(evals[name]["stream_rewards"], abs=1e-9)
+        # an evaluation stored without its per-stream scratch sums gets them back from a replay
+        old = {k: v for k, v in evals[name].items() if k != "stream_scratch"}
+        assert attribution.scratch_of(old, model, tok, env, streams, **settings) == pytest.approx(
+            evals[name]["stream_scratch"], abs=1e-9)
+
+
+def test_the_rl_effect_splits_into_writer_actor_and_interaction(two_evals):
+    actors, evals, tok, env, streams, settings = two_evals
+    calls = []
+    out = attribution.attribute(actors, evals, tok, env, streams, on_replay=lambda: calls.append(1), **settings)
+    assert len(calls) == 4                       # two crossed replays, two from another world
+    cells, parts = out["cells"], out["parts"]
+    assert cells["before RL actor, before RL memories"]["stream_gains"] == evals["before RL"]["stream_gains"]
+    assert cells["after RL actor, after RL memories"]["stream_gains"] == evals["after RL"]["stream_gains"]
+    total = [a - b for a, b in zip(evals["after RL"]["stream_gains"], evals["before RL"]["stream_gains"])]
+    assert parts["total"]["delta"] == pytest.approx(sum(total) / len(total))
+    assert parts["writer"]["delta"] + parts["actor"]["delta"] + parts["interaction"]["delta"] == pytest.approx(
+        parts["total"]["delta"])
+    worlds = [s[0].group for s in streams]
+    assert all(worlds[p] != worlds[i] for i, p in enumerate(out["other_world"]))
+    assert "another world's after RL memories" in " ".join(cells) and "writer part" in attribution.markdown(out)
+
+
+def test_one_world_has_no_other_world():
+    env = envs.make("alchemy", num_trials=1, num_test_worlds=1)
+    streams = rime.eval_streams(env, rime.parse_args(["--eval-streams", "3"]))
+    assert attribution.other_world(streams) is None
