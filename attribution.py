@@ -22,7 +22,7 @@ greedy decoding a replay of an actor's own memories gives back its evaluation ex
 import rewards
 import rollout
 
-EVAL_SEED = 1   # rime.evaluate plays its streams with seed 1: replays use the same episode seeds
+EVAL_SEED = 1   # the seed rime.evaluate plays its streams with: replays use the same episode seeds
 
 
 def replay(actor, tokenizer, env, streams, memories, *, temperature=0.0, max_turns=None, max_new_tokens=128,

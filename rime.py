@@ -320,7 +320,7 @@ def evaluate(model, tokenizer, env, streams, args: Args, writer_model=None) -> d
     with tqdm(total=len(streams[0]) + attempts, desc=f"evaluate ({len(streams)} streams)", disable=not is_rank0(),
               leave=False) as bar:
         with_mem = play_streams(model, writer_model or model, tokenizer, env, streams, args,
-                                temperature=args.eval_temperature, seed=1, on_task=lambda t: bar.update(1))
+                                temperature=args.eval_temperature, seed=attribution.EVAL_SEED, on_task=lambda t: bar.update(1))
         flat = [t for s in streams for t in s]
         scratch, scratch_actions = [[] for _ in flat], []
         for a in range(attempts):
