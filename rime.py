@@ -108,7 +108,7 @@ class Args:
     traj_chars: int = 1200           # trajectory budget the writer sees
     micro_batch_tokens: int = 16384
     warmstart_steps: int = -1        # max imitation steps before RL; -1 = auto (150 for small/smollm2/dirs on alchemy, 0 for tiny)
-    warmstart_threshold: float = 0.95  # held-out format validity that ends the warm start
+    warmstart_threshold: float = 0.95  # held-out format validity that ends the warm start (> 1: never; all --warmstart-steps run)
     warmstart_lr: float = 3e-3
     warmstart_mode: str = "protocol"  # protocol (action syntax + memory shape only) | imitation (the scripted agent's content too)
     warmstart_batch: int = 8         # rows per imitation step
@@ -163,7 +163,7 @@ class Args:
             cli.check_number(name, getattr(self, name), lo=0, lo_open=True)
         for name in ("kl_coef", "clip_low", "clip_high", "beta", "lam", "eval_temperature"):
             cli.check_number(name, getattr(self, name), lo=0)
-        cli.check_number("warmstart_threshold", self.warmstart_threshold, lo=0, hi=1)
+        cli.check_number("warmstart_threshold", self.warmstart_threshold, lo=0)
         cli.check(self.behav_imp_weight_cap == 0 or self.behav_imp_weight_cap > 1, "--behav-imp-weight-cap must be 0 (off) or > 1")
         cli.check(self.clip_ratio_c == 0 or self.clip_ratio_c > 1, "--clip-ratio-c must be 0 (off) or > 1")
         check(self.warmstart_mode in ("protocol", "imitation"), f"--warmstart-mode must be protocol or imitation, got {self.warmstart_mode!r}")

@@ -11,7 +11,8 @@ Two modes (rime.py --warmstart-mode):
             scripted writer's memory (alchemy.memory_text of what it inferred): content included.
 Rows are rendered exactly as rollouts are (rollout.run_scripted, rollout.writer_prompt), so the
 model imitates what it will later see. It stops when held-out format validity reaches
-`warmstart_threshold`, and is skipped when the model already follows the protocol.
+`warmstart_threshold` (a threshold above 1 never stops it: every `warmstart_steps` runs), and is
+skipped when the model already follows the protocol.
 """
 
 import random

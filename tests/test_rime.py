@@ -157,6 +157,7 @@ def test_bad_config_is_a_clear_error(tmp_path):
     (["--eval-temperature", "-1"], "--eval-temperature must be a number in [0"),
     (["--writer-temperature", "0"], "--writer-temperature must be a number in (0"),
     (["--writer-temperature", "-2"], "--writer-temperature must be > 0, or -1"),
+    (["--warmstart-threshold", "-0.1"], "--warmstart-threshold must be a number in [0"),
     (["--init-from", "/no/such/dir"], "--init-from '/no/such/dir': no such directory"),
     (["--before-from", "/tmp"], "--before-from reuses the evaluation of an --init-from policy")])
 def test_bad_values_are_one_line_errors(bad, msg, capsys):
@@ -399,6 +400,22 @@ def test_warm_start_teaches_the_format():
             if after > 0.9:
                 break
     assert after > 0.9, f"validity {before:.2f} -> {after:.2f} after {step} steps"
+
+
+@pytest.mark.parametrize("threshold, steps", [(0.95, 25), (2.0, 30)])
+def test_warm_start_stops_at_the_threshold_and_above_one_never(monkeypatch, threshold, steps):
+    """Validity 0 then 1 at every check: a threshold <= 1 ends the warm start at the first check that
+    reaches it (step 25); one above 1 never does, so every --warmstart-steps runs."""
+    import types
+    checks = iter([(0.0, 0.0)] + [(1.0, 0.5)] * 10)
+    monkeypatch.setattr(warmstart, "format_validity", lambda *a, **k: next(checks))
+    monkeypatch.setattr(warmstart, "warmstart_rows", lambda *a, **k: [([1, 2, 3], [0, 1, 1])] * 4)
+    updates = []
+    learner = types.SimpleNamespace(optimizer=types.SimpleNamespace(param_groups=[{"lr": 0.0}]), gen_model=None,
+                                    update=lambda b: updates.append(b) or {})
+    args = rime.parse_args(["--model", "tiny", "--warmstart-steps", "30", "--warmstart-threshold", str(threshold)])
+    out = warmstart.warm_start(learner, None, envs.make("alchemy", num_trials=1), args, lambda r: None)
+    assert out["steps"] == steps == len(updates) and out["validity_after"] == 1.0
 
 
 def test_protocol_warm_start_carries_no_task_knowledge():
