@@ -616,6 +616,21 @@ def memory_text(knowledge: dict, last_task: str = "", last_score: float = None) 
     return "### Repository Knowledge\n" + "\n".join(facts) + "\n\n### Lessons & Pitfalls\n" + "\n".join(lessons)
 
 
+def stream_notes(env: "AlchemyEnv", tasks) -> list:
+    """The scripted writer's memory after each task of a stream: the reference actor plays the tasks in
+    order, each reading the previous memory, and memory_text writes what it inferred. True notes (a
+    yardstick for a learned writer's, e.g. rime.py --attribute); uses env."""
+    notes, memory = [], None
+    for task in tasks:
+        policy = env.reference_policy(task, notes=memory)
+        obs, done = env.reset(task), False
+        while not done:
+            obs, _, done = env.step(policy(obs))[:3]
+        memory = memory_text(policy.knowledge, task.id, env.info["score"])
+        notes.append(memory)
+    return notes
+
+
 def parse_notes(text: str) -> dict:
     """Memory text -> knowledge dict. Lenient: lines it cannot read are ignored, never an error."""
     text = str(text).lower()

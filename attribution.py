@@ -14,6 +14,8 @@ memory minus that actor's own from-scratch score, per stream:
   With A = after and B = before it is the *actor's part*: the notes held fixed, the reader trained.
 - actor A reading its own evaluation's memories, but each stream those of a stream over another
   world: a gain that survives this does not come from what the notes say about the world.
+- actor A reading reference memories given per stream (rime.py passes the scripted writer's true
+  notes on Alchemy): what the reader makes of notes that are right.
 
 Replays decode like the evaluation (the same episode seeds, the same batch of streams), so under
 greedy decoding a replay of an actor's own memories gives back its evaluation exactly.
@@ -60,9 +62,12 @@ def _cell(gains) -> dict:
     return {"gain": m, "ci95": [lo, hi], "stream_gains": list(gains)}
 
 
-def attribute(actors: dict, evals: dict, tokenizer, env, streams, *, on_replay=None, **settings) -> dict:
+def attribute(actors: dict, evals: dict, tokenizer, env, streams, *, references: dict = None, on_replay=None,
+              **settings) -> dict:
     """{"cells": {(actor, memories): cell}, "parts": {...}}, a cell = {gain, ci95, stream_gains}.
     evals[name] needs "memories", "stream_gains" and "stream_scratch" (see the module docstring);
+    references: {name: memories per stream} that every actor also reads, e.g. a scripted writer's
+    true notes (cell "<actor> actor, <name> memories");
     settings go to replay (temperature, max_turns, max_new_tokens). "parts", when there are exactly
     the two names "before RL" and "after RL": the writer's and the actor's part of the RL effect and
     what is left (their interaction), each paired over the streams."""
@@ -84,9 +89,14 @@ def attribute(actors: dict, evals: dict, tokenizer, env, streams, *, on_replay=N
             cells[f"{a} actor, another world's {a} memories"] = _cell([g - s for g, s in zip(got, scratch)])
             if on_replay:
                 on_replay()
+        for name, memories in (references or {}).items():
+            got = replay(model, tokenizer, env, streams, memories, **settings)
+            cells[f"{a} actor, {name} memories"] = _cell([g - s for g, s in zip(got, scratch)])
+            if on_replay:
+                on_replay()
     out = {"cells": cells, "other_world": partner}
     if set(actors) == {"before RL", "after RL"}:
-        g = {k: v["stream_gains"] for k, v in cells.items() if "another" not in k}
+        g = {k: v["stream_gains"] for k, v in cells.items()}
         bb, ba = g["before RL actor, before RL memories"], g["before RL actor, after RL memories"]
         ab, aa = g["after RL actor, before RL memories"], g["after RL actor, after RL memories"]
 

@@ -52,6 +52,32 @@ def test_the_rl_effect_splits_into_writer_actor_and_interaction(two_evals):
     assert "another world's after RL memories" in " ".join(cells) and "writer part" in attribution.markdown(out)
 
 
+def test_reference_memories_are_read_by_every_actor(two_evals):
+    """A reference memory set gives each actor one more cell; given the after-RL memories themselves, the
+    before-RL actor's cell is its crossed replay."""
+    actors, evals, tok, env, streams, settings = two_evals
+    out = attribution.attribute(actors, evals, tok, env, streams, references={"given": evals["after RL"]["memories"]},
+                                **settings)
+    cells = out["cells"]
+    assert cells["before RL actor, given memories"] == cells["before RL actor, after RL memories"]
+    assert cells["after RL actor, given memories"] == cells["after RL actor, after RL memories"]
+
+
+def test_the_scripted_writers_stream_notes_are_true():
+    """alchemy.stream_notes: one memory per task, in the writer's format, every stated effect true, and
+    what it knows grows along the stream (a yardstick the learned writer's notes are replayed against)."""
+    import alchemy
+    import rewards
+    env = envs.make("alchemy", num_trials=1)
+    stream = rime.eval_streams(env, rime.parse_args(["--eval-streams", "1"]))[0]
+    notes = alchemy.stream_notes(env, stream)
+    assert len(notes) == len(stream) and all(rewards.writer_format_ok(n, "")[0] for n in notes)
+    acc = [alchemy.memory_accuracy(n, t) for n, t in zip(notes, stream)]
+    assert all(a in (None, 1.0) for a, _ in acc) and acc[-1][1] > 0
+    covered = [c for _, c in acc]
+    assert covered[len(stream) // 2 - 1] > 0                     # the first block's world is learned
+
+
 def test_one_world_has_no_other_world():
     env = envs.make("alchemy", num_trials=1, num_test_worlds=1)
     streams = rime.eval_streams(env, rime.parse_args(["--eval-streams", "3"]))
