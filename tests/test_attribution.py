@@ -65,7 +65,8 @@ def test_reference_memories_are_read_by_every_actor(two_evals):
 
 def test_the_scripted_writers_stream_notes_are_true():
     """alchemy.stream_notes: one memory per task, in the writer's format, every stated effect true, and
-    what it knows grows along the stream (a yardstick the learned writer's notes are replayed against)."""
+    some effect known by the end of the first block and of the stream (a yardstick the learned
+    writer's notes are replayed against)."""
     import alchemy
     import rewards
     env = envs.make("alchemy", num_trials=1)
