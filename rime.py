@@ -355,6 +355,8 @@ def evaluate(model, tokenizer, env, streams, args: Args, writer_model=None) -> d
         acc = [[alchemy.memory_accuracy(w.memory, task) for w, task in zip(o.writes, o.tasks)] for o in with_mem]
         out["memory_accuracy"] = [mean(a[t][0] for a in acc if a[t][0] is not None) for t in range(len(acc[0]))]
         out["memory_coverage"] = [mean(a[t][1] for a in acc) for t in range(len(acc[0]))]
+        # and does the actor act on notes? teacher-forced on the scripted reference along the same streams
+        out["reference_match"] = warmstart.reference_match(model, tokenizer, env, streams, args)
     return out
 
 
@@ -704,6 +706,15 @@ def _ci(interval) -> str:
     return "n/a" if lo is None or hi is None or lo != lo else f"[{lo:+.2f}, {hi:+.2f}]"
 
 
+def _share(match: dict, key: str) -> str:
+    """"0.12 (207, chance 0.06)": a reference_match entry's match rate, action count and (applies) a
+    uniform pick's rate; "n/a" when absent (an evaluation reused from a run made before the diagnostic)."""
+    if key not in match:
+        return "n/a"
+    m = match[key]
+    return f"{m['match']:.2f} ({m['actions']}" + (f", chance {m['chance']:.2f})" if "chance" in m else ")")
+
+
 def report(run: Run, after: dict, wall_s: float, attributed: dict = None) -> None:
     """summary.json (with rl_effect), gain.png, and the before/after table with 95% CIs."""
     before, warm = run.state["eval_before"], run.state["warm"] or {}
@@ -730,6 +741,12 @@ def report(run: Run, after: dict, wall_s: float, attributed: dict = None) -> Non
         print("memory accuracy by stream position (true share of stated potion effects; coverage of the 6):")
         for name, ev in (("before RL", before), ("after RL", after)):
             print(f"  {name}: accuracy {fmt(ev['memory_accuracy'])} | coverage {fmt(ev['memory_coverage'])}")
+    if "reference_match" in after:
+        print("the scripted reference's actions the actor predicts, teacher-forced (share of applies | of all):")
+        for name, ev in (("before RL", before), ("after RL", after)):
+            m = ev.get("reference_match") or {}
+            print(f"  {name}: " + "; ".join(f"{key.replace('_', ' ')} {_share(m, key + '/apply')} | {_share(m, key)}"
+                                          for key in ("with_notes", "scratch")))
     if warm:
         print(f"warm start ({run.args.warmstart_mode}): validity {warm['validity_before']:.2f} -> "
               f"{warm['validity_after']:.2f}, held-out score {warm['score_before']:.2f} -> {warm['score_after']:.2f} "

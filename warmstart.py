@@ -15,7 +15,10 @@ model imitates what it will later see. It stops when held-out format validity re
 skipped when the model already follows the protocol.
 """
 
+import dataclasses
 import random
+
+import torch
 
 import curriculum
 import rollout
@@ -63,12 +66,24 @@ def warmstart_rows(tokenizer, env, tasks, args):
                 action syntax and the memory's shape, no task knowledge (RL has to teach the content);
       imitation: the reference actor (env.reference_policy) and the scripted writer's memory
                 (alchemy.memory_text of what it inferred): imitation of the content too."""
+    streams = curriculum.make_streams(tasks, args.warmstart_streams, order="easy_to_hard", segment=args.segment,
+                                      seed=args.seed)
+    rows = []
+    for _, ep, writer_row in scripted_play(tokenizer, env, streams, args):
+        rows += [(r.tokens, r.loss_mask) for r in ep.rows()]
+        rows.append(writer_row)
+    return rows
+
+
+def scripted_play(tokenizer, env, streams, args):
+    """The scripted agent along every stream, side by side: yields (t, actor Episode, writer row) per task
+    t of each stream, in stream order, where the writer row is (tokens, loss mask) of the writer prompt +
+    the scripted memory M(t), which the actor of task t + 1 reads. args.warmstart_mode picks the agent
+    (warmstart_rows' docstring)."""
     from alchemy import memory_text
     fmt = rollout.ChatFormat(tokenizer)
     rng = random.Random(f"warmstart/{args.seed}")
-    streams = curriculum.make_streams(tasks, args.warmstart_streams, order="easy_to_hard", segment=args.segment,
-                                      seed=args.seed)
-    rows, memories = [], [""] * len(streams)
+    memories = [""] * len(streams)
     envs_ = [env] + [env.clone() for _ in streams[1:]]
     for t in range(len(streams[0])):
         ts = [s[t] for s in streams]
@@ -78,16 +93,62 @@ def warmstart_rows(tokenizer, env, tasks, args):
             pols = [random_valid_policy(rng) for _ in ts]
         eps = rollout.run_scripted(tokenizer, envs_, ts, pols, memory=memories)
         for i, (ep, pol) in enumerate(zip(eps, pols)):
-            rows += [(r.tokens, r.loss_mask) for r in ep.rows()]
             new = (memory_text(pol.knowledge, ep.task.id, ep.score) if args.warmstart_mode == "imitation"
                    else protocol_memory(ep, rng))
             prompt = fmt.prompt(rollout.WRITER_SYSTEM, rollout.writer_prompt(ep, memories[i], args.traj_chars))
             target = fmt.encode(new) + [fmt.end_id]
-            rows.append((prompt + target, [0] * len(prompt) + [1] * len(target)))
+            yield t, ep, (prompt + target, [0] * len(prompt) + [1] * len(target))
             memories[i] = new
     for e in envs_[1:]:
         e.close()
-    return rows
+
+
+@torch.no_grad()
+def reference_match(model, tokenizer, env, streams, args) -> dict:
+    """A diagnostic, not a reward: does the actor act on its notes? Teacher-forced on the scripted
+    reference playing the held-out `streams` (each task reading the scripted notes of the tasks before
+    it), the share of the reference's actions whose every token is the model's greedy prediction. Split
+    by the reference's memory (with notes: tasks after a stream's first; scratch: the first) and by action
+    (apply / cauldron / end). With notes the reference goes straight to the potions its plan needs, so an
+    actor that reads the notes matches its applies there about as well as from scratch, and one that
+    does not falls to chance: "chance" is a uniform pick's rate among the apply actions the observation
+    allows. Returns {"with_notes": {"match", "actions"}, "with_notes/apply": {..., "chance"}, ...}."""
+    from alchemy import parse_observation
+    imitation = dataclasses.replace(args, warmstart_mode="imitation")
+    was_training, counts = model.training, {}
+    model.eval()
+    device = next(model.parameters()).device
+    for t, ep, _ in scripted_play(tokenizer, env, streams, imitation):
+        turn = 0                               # the reply to ep.observations[turn]
+        for row in ep.rows():
+            ids = torch.tensor([row.tokens], device=device)
+            predicted = model(ids)[0, :-1].argmax(-1).tolist()
+            for span in _spans(row.loss_mask):    # position i - 1 predicts the reply's token i
+                action = rollout.parse_action(tokenizer.decode([row.tokens[i] for i in span])) or ""
+                kind = action.split()[0] if action.split() else "other"     # apply / cauldron / end
+                state = parse_observation(ep.observations[turn]) if turn < len(ep.observations) else None
+                options = len(state["potions"]) * len(state["stones"]) if state else 0
+                key = "with_notes" if t else "scratch"
+                for k in (key, f"{key}/{kind}"):
+                    c = counts.setdefault(k, [0, 0, 0.0])
+                    c[0] += all(predicted[i - 1] == row.tokens[i] for i in span); c[1] += 1
+                    c[2] += 1 / options if kind == "apply" and options else 0.0
+                turn += 1
+    model.train(was_training)
+    return {k: {"match": ok / n, "actions": n, **({"chance": p / n} if k.endswith("/apply") else {})}
+            for k, (ok, n, p) in sorted(counts.items())}
+
+
+def _spans(mask) -> list:
+    """Runs of consecutive 1s in a loss mask (one per agent reply), as index lists; position 0 never
+    counts (nothing predicts it)."""
+    spans, cur = [], []
+    for i, v in enumerate(mask):
+        if v and i:
+            cur.append(i)
+        elif cur:
+            spans.append(cur); cur = []
+    return spans + [cur] if cur else spans
 
 
 def format_validity(model, tokenizer, env, tasks, args, turns=6, with_score=False):

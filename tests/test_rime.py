@@ -402,6 +402,41 @@ def test_warm_start_teaches_the_format():
     assert after > 0.9, f"validity {before:.2f} -> {after:.2f} after {step} steps"
 
 
+class _Predicts(torch.nn.Module):
+    """A stand-in actor for reference_match: `next_token` True predicts every next token (an oracle under
+    teacher forcing), False always predicts token 0."""
+
+    def __init__(self, next_token: bool):
+        super().__init__()
+        self.next_token, self.w = next_token, torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, ids):
+        target = ids.roll(-1, dims=1) if self.next_token else torch.zeros_like(ids)
+        return torch.nn.functional.one_hot(target, int(ids.max()) + 1).float()
+
+
+def test_reference_match_splits_notes_from_scratch_and_can_fail():
+    """reference_match counts each of the scripted reference's replies once, under "scratch" for a
+    stream's first task and "with_notes" after it (where the reference reads its own notes), and scores
+    1 for an actor that predicts every token and 0 for one that predicts none."""
+    _, tok = tiny("qwen3", seed=0)
+    env = envs.make("alchemy", num_trials=1)
+    args = rime.parse_args(["--model", "tiny", "--eval-streams", "2", "--eval-segment", "1"])
+    streams = rime.eval_streams(env, args)
+    oracle = warmstart.reference_match(_Predicts(True), tok, env, streams, args)
+    blind = warmstart.reference_match(_Predicts(False), tok, env, streams, args)
+    played = [ep for _, ep, _ in warmstart.scripted_play(tok, env, streams, rime.dataclasses.replace(
+        args, warmstart_mode="imitation"))]
+    first = sum(ep.num_turns for ep in played[:len(streams)])      # t = 0 comes first, one per stream
+    assert oracle["scratch"]["actions"] == first and oracle["with_notes"]["actions"] == sum(
+        ep.num_turns for ep in played) - first > 0
+    assert oracle["with_notes/apply"]["actions"] + oracle["with_notes/cauldron"]["actions"] + oracle.get(
+        "with_notes/end", {"actions": 0})["actions"] == oracle["with_notes"]["actions"]
+    assert all(v["match"] == 1.0 for v in oracle.values())
+    assert all(0 < oracle[k]["chance"] < 1 for k in ("scratch/apply", "with_notes/apply"))
+    assert all(v["match"] == 0.0 for v in blind.values()) and blind.keys() == oracle.keys()
+
+
 @pytest.mark.parametrize("threshold, steps", [(0.95, 25), (2.0, 30)])
 def test_warm_start_stops_at_the_threshold_and_above_one_never(monkeypatch, threshold, steps):
     """Validity 0 then 1 at every check: a threshold <= 1 ends the warm start at the first check that
