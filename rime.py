@@ -26,7 +26,8 @@ reference actor and writer, content included. It stops when held-out format vali
 Evaluation: `eval_streams` held-out 3+3 streams over the test worlds (never a training world), with
 memory and from scratch; summary.json's rl_effect holds the gain before and after RL and the 95% CI
 of their paired difference over the streams. For Alchemy a diagnostic that is not a reward is logged
-too: the share of the potion effects a memory states that are true, and how many of the 6 it states.
+too: the share of the potion effects a memory states that are true, and how many of the 6 it states,
+and whether the actor acts on notes (warmstart.reference_match: teacher-forced on the scripted agent).
 --attribute then replays the stored memories across the actors before and after RL (attribution.py):
 the RL effect split into the writer's part and the actor's. --writer-temperature samples the writer's
 memories in RL at a temperature of their own (the actor reads them at the next task).
