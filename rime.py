@@ -707,13 +707,15 @@ def _ci(interval) -> str:
     return "n/a" if lo is None or hi is None or lo != lo else f"[{lo:+.2f}, {hi:+.2f}]"
 
 
-def _share(match: dict, key: str) -> str:
-    """"0.12 (207, chance 0.06)": a reference_match entry's match rate, action count and (applies) a
-    uniform pick's rate; "n/a" when absent (an evaluation reused from a run made before the diagnostic)."""
-    if key not in match:
+def _applies(match: dict, key: str) -> str:
+    """One reference_match line: of the reference's applies, the share the actor predicts whole, with the
+    right potion colour and with the right stone, each beside a uniform pick's; "n/a" when absent (an
+    evaluation reused from a run made before the diagnostic)."""
+    m = match.get(key + "/apply")
+    if not m:
         return "n/a"
-    m = match[key]
-    return f"{m['match']:.2f} ({m['actions']}" + (f", chance {m['chance']:.2f})" if "chance" in m else ")")
+    return (f"{m['match']:.2f} (chance {m['chance']:.2f}), colour {m['colour']:.2f} ({m['colour_chance']:.2f}), "
+            f"stone {m['stone']:.2f} ({m['stone_chance']:.2f}) of {m['actions']}")
 
 
 def report(run: Run, after: dict, wall_s: float, attributed: dict = None) -> None:
@@ -743,11 +745,10 @@ def report(run: Run, after: dict, wall_s: float, attributed: dict = None) -> Non
         for name, ev in (("before RL", before), ("after RL", after)):
             print(f"  {name}: accuracy {fmt(ev['memory_accuracy'])} | coverage {fmt(ev['memory_coverage'])}")
     if "reference_match" in after:
-        print("the scripted reference's actions the actor predicts, teacher-forced (share of applies | of all):")
+        print("the scripted reference's applies the actor predicts, teacher-forced (whole, potion colour, stone; chance):")
         for name, ev in (("before RL", before), ("after RL", after)):
-            m = ev.get("reference_match") or {}
-            print(f"  {name}: " + "; ".join(f"{key.replace('_', ' ')} {_share(m, key + '/apply')} | {_share(m, key)}"
-                                          for key in ("with_notes", "scratch")))
+            for key in ("with_notes", "scratch"):
+                print(f"  {name}, {key.replace('_', ' ')}: {_applies(ev.get('reference_match') or {}, key)}")
     if warm:
         print(f"warm start ({run.args.warmstart_mode}): validity {warm['validity_before']:.2f} -> "
               f"{warm['validity_after']:.2f}, held-out score {warm['score_before']:.2f} -> {warm['score_after']:.2f} "

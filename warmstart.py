@@ -17,6 +17,7 @@ skipped when the model already follows the protocol.
 
 import dataclasses
 import random
+import re
 
 import torch
 
@@ -105,38 +106,59 @@ def scripted_play(tokenizer, env, streams, args):
 
 @torch.no_grad()
 def reference_match(model, tokenizer, env, streams, args) -> dict:
-    """A diagnostic, not a reward: does the actor act on its notes? Teacher-forced on the scripted
-    reference playing the held-out `streams` (each task reading the scripted notes of the tasks before
-    it), the share of the reference's actions whose every token is the model's greedy prediction. Split
-    by the reference's memory (with notes: tasks after a stream's first; scratch: the first) and by action
-    (apply / cauldron / end). With notes the reference goes straight to the potions its plan needs, so an
-    actor that reads the notes matches its applies there about as well as from scratch, and one that
-    does not falls to chance: "chance" is a uniform pick's rate among the apply actions the observation
-    allows. Returns {"with_notes": {"match", "actions"}, "with_notes/apply": {..., "chance"}, ...}."""
+    """A diagnostic, not a reward: does the actor act on its notes? The scripted reference plays the
+    held-out `streams` (each task reading the scripted notes of the tasks before it); in every state it
+    met, with its history as the context, the actor replies greedily, and its action is compared with
+    the reference's. Split by the reference's memory (with notes: tasks after a stream's first; scratch:
+    the first) and by action (apply / cauldron / end). With notes the reference goes straight to the
+    potions its plan needs: an actor that reads the notes can follow it there, and one that does not
+    falls to chance, a uniform pick among the applies the observation allows ("chance"). An apply is
+    also scored in parts: "colour" (a potion of the reference's colour: potions of one colour are
+    interchangeable) and "stone", each beside its chance. Returns {"with_notes": {"match", "actions"},
+    "with_notes/apply": {..., "chance", "colour", "colour_chance", "stone", "stone_chance"}, ...}."""
     from alchemy import parse_observation
+    from generate import generate
     imitation = dataclasses.replace(args, warmstart_mode="imitation")
-    was_training, counts = model.training, {}
-    model.eval()
-    device = next(model.parameters()).device
+    states = []                                  # (memory, the reference's action, observed state, context)
     for t, ep, _ in scripted_play(tokenizer, env, streams, imitation):
-        turn = 0                               # the reply to ep.observations[turn]
+        turn = 0                                 # the reply to ep.observations[turn]
         for row in ep.rows():
-            ids = torch.tensor([row.tokens], device=device)
-            predicted = model(ids)[0, :-1].argmax(-1).tolist()
-            for span in _spans(row.loss_mask):    # position i - 1 predicts the reply's token i
+            for span in _spans(row.loss_mask):
                 action = rollout.parse_action(tokenizer.decode([row.tokens[i] for i in span])) or ""
-                kind = action.split()[0] if action.split() else "other"     # apply / cauldron / end
                 state = parse_observation(ep.observations[turn]) if turn < len(ep.observations) else None
-                options = len(state["potions"]) * len(state["stones"]) if state else 0
-                key = "with_notes" if t else "scratch"
-                for k in (key, f"{key}/{kind}"):
-                    c = counts.setdefault(k, [0, 0, 0.0])
-                    c[0] += all(predicted[i - 1] == row.tokens[i] for i in span); c[1] += 1
-                    c[2] += 1 / options if kind == "apply" and options else 0.0
+                states.append(("with_notes" if t else "scratch", action, state, row.tokens[:span[0]]))
                 turn += 1
+    was_training = model.training
+    model.eval()
+    outs = generate(model, [s[3] for s in states], args.max_new_tokens, temperature=0.0,
+                    stop_token_ids=rollout.ChatFormat(tokenizer).eos_ids)
     model.train(was_training)
-    return {k: {"match": ok / n, "actions": n, **({"chance": p / n} if k.endswith("/apply") else {})}
-            for k, (ok, n, p) in sorted(counts.items())}
+    counts = {}
+    for (key, action, state, _), out in zip(states, outs):
+        guess = rollout.parse_action(tokenizer.decode(out.tokens)) or ""
+        kind = action.split()[0] if action.split() else "other"       # apply / cauldron / end
+        hits = {"match": guess == action}
+        if kind == "apply" and state:
+            hits.update(_apply_hits(action, guess, state))
+        for k in (key, f"{key}/{kind}"):
+            c = counts.setdefault(k, {"actions": 0})
+            c["actions"] += 1
+            for name, v in hits.items():
+                c[name] = c.get(name, 0) + v
+    return {k: {name: v if name == "actions" else v / c["actions"] for name, v in c.items()}
+            for k, c in sorted(counts.items())}
+
+
+def _apply_hits(action: str, guess: str, state: dict) -> dict:
+    """The parts of a reference's `apply P S` that the actor's action gets right: a potion of the same
+    colour (any of them) and the same stone, and what a uniform pick gets (whole action, colour, stone)."""
+    p, s = map(int, re.fullmatch(r"apply p(\d+) s(\d+)", action).groups())
+    g = re.fullmatch(r"apply p(\d+) s(\d+)", guess)
+    colour, potions, stones = state["potions"].get(p), state["potions"], state["stones"]
+    return {"chance": 1 / (len(potions) * len(stones)),
+            "colour": bool(g) and potions.get(int(g.group(1))) == colour,
+            "colour_chance": sum(c == colour for c in potions.values()) / len(potions),
+            "stone": bool(g) and int(g.group(2)) == s, "stone_chance": 1 / len(stones)}
 
 
 def _spans(mask) -> list:

@@ -402,39 +402,53 @@ def test_warm_start_teaches_the_format():
     assert after > 0.9, f"validity {before:.2f} -> {after:.2f} after {step} steps"
 
 
-class _Predicts(torch.nn.Module):
-    """A stand-in actor for reference_match: `next_token` True predicts every next token (an oracle under
-    teacher forcing), False always predicts token 0."""
-
-    def __init__(self, next_token: bool):
-        super().__init__()
-        self.next_token, self.w = next_token, torch.nn.Parameter(torch.zeros(1))
-
-    def forward(self, ids):
-        target = ids.roll(-1, dims=1) if self.next_token else torch.zeros_like(ids)
-        return torch.nn.functional.one_hot(target, int(ids.max()) + 1).float()
-
-
-def test_reference_match_splits_notes_from_scratch_and_can_fail():
-    """reference_match counts each of the scripted reference's replies once, under "scratch" for a
-    stream's first task and "with_notes" after it (where the reference reads its own notes), and scores
-    1 for an actor that predicts every token and 0 for one that predicts none."""
+def test_reference_match_splits_notes_from_scratch_and_can_fail(monkeypatch):
+    """reference_match asks the actor for its greedy action in every state the scripted reference met,
+    counted once, under "scratch" in a stream's first task and "with_notes" after it (where the reference
+    reads its own notes): an actor that replies as the reference scores 1, one that never does 0."""
+    import generate
     _, tok = tiny("qwen3", seed=0)
     env = envs.make("alchemy", num_trials=1)
     args = rime.parse_args(["--model", "tiny", "--eval-streams", "2", "--eval-segment", "1"])
     streams = rime.eval_streams(env, args)
-    oracle = warmstart.reference_match(_Predicts(True), tok, env, streams, args)
-    blind = warmstart.reference_match(_Predicts(False), tok, env, streams, args)
     played = [ep for _, ep, _ in warmstart.scripted_play(tok, env, streams, rime.dataclasses.replace(
         args, warmstart_mode="imitation"))]
+    replies = {}                            # context -> the reference's reply in it
+    for ep in played:
+        for row in ep.rows():
+            for span in warmstart._spans(row.loss_mask):
+                replies[tuple(row.tokens[:span[0]])] = [row.tokens[i] for i in span]
+    wrong = tok.encode("<action>apply p99 s99</action>")
+
+    def replying(as_reference):
+        def fake(model, prompts, max_new_tokens, **kw):
+            return [Completion(tokens=replies[tuple(p)] if as_reference else wrong, logprobs=[], finish_reason="stop")
+                    for p in prompts]
+        return fake
+    monkeypatch.setattr(generate, "generate", replying(True))
+    oracle = warmstart.reference_match(torch.nn.Linear(1, 1), tok, env, streams, args)
+    monkeypatch.setattr(generate, "generate", replying(False))
+    blind = warmstart.reference_match(torch.nn.Linear(1, 1), tok, env, streams, args)
     first = sum(ep.num_turns for ep in played[:len(streams)])      # t = 0 comes first, one per stream
     assert oracle["scratch"]["actions"] == first and oracle["with_notes"]["actions"] == sum(
         ep.num_turns for ep in played) - first > 0
-    assert oracle["with_notes/apply"]["actions"] + oracle["with_notes/cauldron"]["actions"] + oracle.get(
-        "with_notes/end", {"actions": 0})["actions"] == oracle["with_notes"]["actions"]
+    assert sum(oracle.get(f"with_notes/{k}", {"actions": 0})["actions"] for k in ("apply", "cauldron", "end")) == \
+        oracle["with_notes"]["actions"]
     assert all(v["match"] == 1.0 for v in oracle.values())
-    assert all(0 < oracle[k]["chance"] < 1 for k in ("scratch/apply", "with_notes/apply"))
     assert all(v["match"] == 0.0 for v in blind.values()) and blind.keys() == oracle.keys()
+    for k in ("scratch/apply", "with_notes/apply"):     # an apply's parts: a right guess gets them all
+        assert all(0 < oracle[k][c] < 1 for c in ("chance", "colour_chance", "stone_chance"))
+        assert oracle[k]["colour"] == oracle[k]["stone"] == 1.0 and blind[k]["colour"] == blind[k]["stone"] == 0.0
+
+
+def test_an_apply_of_another_potion_of_the_same_colour_has_the_right_colour():
+    state = {"potions": {1: 0, 2: 0, 3: 1}, "stones": {1: (0, -3), 2: (1, -1)}}      # p1, p2 red; p3 green
+    same = warmstart._apply_hits("apply p1 s1", "apply p2 s1", state)
+    assert same == {"chance": 1 / 6, "colour": True, "colour_chance": 2 / 3, "stone": True, "stone_chance": 0.5}
+    other = warmstart._apply_hits("apply p1 s1", "apply p3 s2", state)
+    assert not other["colour"] and not other["stone"]
+    assert not any(warmstart._apply_hits("apply p1 s1", guess, state)[k] for guess in ("", "end", "cauldron s1")
+                   for k in ("colour", "stone"))
 
 
 @pytest.mark.parametrize("threshold, steps", [(0.95, 25), (2.0, 30)])
