@@ -27,7 +27,7 @@ Evaluation: `eval_streams` held-out 3+3 streams over the test worlds (never a tr
 memory and from scratch; summary.json's rl_effect holds the gain before and after RL and the 95% CI
 of their paired difference over the streams. For Alchemy a diagnostic that is not a reward is logged
 too: the share of the potion effects a memory states that are true, and how many of the 6 it states,
-and whether the actor acts on notes (warmstart.reference_match: teacher-forced on the scripted agent).
+and whether the actor acts on notes (warmstart.reference_match: its greedy action in the scripted agent's states).
 --attribute then replays the stored memories across the actors before and after RL (attribution.py):
 the RL effect split into the writer's part and the actor's. --writer-temperature samples the writer's
 memories in RL at a temperature of their own (the actor reads them at the next task).
@@ -356,7 +356,7 @@ def evaluate(model, tokenizer, env, streams, args: Args, writer_model=None) -> d
         acc = [[alchemy.memory_accuracy(w.memory, task) for w, task in zip(o.writes, o.tasks)] for o in with_mem]
         out["memory_accuracy"] = [mean(a[t][0] for a in acc if a[t][0] is not None) for t in range(len(acc[0]))]
         out["memory_coverage"] = [mean(a[t][1] for a in acc) for t in range(len(acc[0]))]
-        # and does the actor act on notes? teacher-forced on the scripted reference along the same streams
+        # and does the actor act on notes? its greedy action in the scripted reference's states, same streams
         out["reference_match"] = warmstart.reference_match(model, tokenizer, env, streams, args)
     return out
 
@@ -745,7 +745,7 @@ def report(run: Run, after: dict, wall_s: float, attributed: dict = None) -> Non
         for name, ev in (("before RL", before), ("after RL", after)):
             print(f"  {name}: accuracy {fmt(ev['memory_accuracy'])} | coverage {fmt(ev['memory_coverage'])}")
     if "reference_match" in after:
-        print("the scripted reference's applies the actor predicts, teacher-forced (whole, potion colour, stone; chance):")
+        print("the scripted reference's applies the actor repeats, greedy in its states (whole, potion colour, stone; chance):")
         for name, ev in (("before RL", before), ("after RL", after)):
             for key in ("with_notes", "scratch"):
                 print(f"  {name}, {key.replace('_', ' ')}: {_applies(ev.get('reference_match') or {}, key)}")

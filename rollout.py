@@ -281,6 +281,13 @@ def scripted_text(env, task, policy) -> list[str]:
     return parts
 
 
+def greedy_actions(model, tokenizer, contexts, max_new_tokens: int) -> list:
+    """The action the model would take next in each context (token ids ending where an agent reply
+    starts), greedy: its parsed <action> text, or "" if the reply has none."""
+    outs = generate(model, contexts, max_new_tokens, temperature=0.0, stop_token_ids=ChatFormat(tokenizer).eos_ids)
+    return [parse_action(tokenizer.decode(o.tokens)) or "" for o in outs]
+
+
 def run_scripted(tokenizer, env, tasks, policies, memory="", *, max_turns=None,
                  context_budget=1 << 30, system_prompt=ACTOR_SYSTEM, num_threads=8, enable_thinking=False):
     """The same loop with scripted agents (callables obs -> action, e.g. env.reference_policy) in

@@ -117,7 +117,6 @@ def reference_match(model, tokenizer, env, streams, args) -> dict:
     interchangeable) and "stone", each beside its chance. Returns {"with_notes": {"match", "actions"},
     "with_notes/apply": {..., "chance", "colour", "colour_chance", "stone", "stone_chance"}, ...}."""
     from alchemy import parse_observation
-    from generate import generate
     imitation = dataclasses.replace(args, warmstart_mode="imitation")
     states = []                                  # (memory, the reference's action, observed state, context)
     for t, ep, _ in scripted_play(tokenizer, env, streams, imitation):
@@ -130,12 +129,10 @@ def reference_match(model, tokenizer, env, streams, args) -> dict:
                 turn += 1
     was_training = model.training
     model.eval()
-    outs = generate(model, [s[3] for s in states], args.max_new_tokens, temperature=0.0,
-                    stop_token_ids=rollout.ChatFormat(tokenizer).eos_ids)
+    guesses = rollout.greedy_actions(model, tokenizer, [s[3] for s in states], args.max_new_tokens)
     model.train(was_training)
     counts = {}
-    for (key, action, state, _), out in zip(states, outs):
-        guess = rollout.parse_action(tokenizer.decode(out.tokens)) or ""
+    for (key, action, state, _), guess in zip(states, guesses):
         kind = action.split()[0] if action.split() else "other"       # apply / cauldron / end
         hits = {"match": guess == action}
         if kind == "apply" and state:

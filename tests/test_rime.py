@@ -406,7 +406,6 @@ def test_reference_match_splits_notes_from_scratch_and_can_fail(monkeypatch):
     """reference_match asks the actor for its greedy action in every state the scripted reference met,
     counted once, under "scratch" in a stream's first task and "with_notes" after it (where the reference
     reads its own notes): an actor that replies as the reference scores 1, one that never does 0."""
-    import generate
     _, tok = tiny("qwen3", seed=0)
     env = envs.make("alchemy", num_trials=1)
     args = rime.parse_args(["--model", "tiny", "--eval-streams", "2", "--eval-segment", "1"])
@@ -425,9 +424,9 @@ def test_reference_match_splits_notes_from_scratch_and_can_fail(monkeypatch):
             return [Completion(tokens=replies[tuple(p)] if as_reference else wrong, logprobs=[], finish_reason="stop")
                     for p in prompts]
         return fake
-    monkeypatch.setattr(generate, "generate", replying(True))
+    monkeypatch.setattr(rollout, "generate", replying(True))
     oracle = warmstart.reference_match(torch.nn.Linear(1, 1), tok, env, streams, args)
-    monkeypatch.setattr(generate, "generate", replying(False))
+    monkeypatch.setattr(rollout, "generate", replying(False))
     blind = warmstart.reference_match(torch.nn.Linear(1, 1), tok, env, streams, args)
     first = sum(ep.num_turns for ep in played[:len(streams)])      # t = 0 comes first, one per stream
     assert oracle["scratch"]["actions"] == first and oracle["with_notes"]["actions"] == sum(
