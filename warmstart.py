@@ -19,8 +19,6 @@ import dataclasses
 import random
 import re
 
-import torch
-
 import curriculum
 import rollout
 from ppo import is_rank0, make_batch, print0
@@ -104,7 +102,6 @@ def scripted_play(tokenizer, env, streams, args):
         e.close()
 
 
-@torch.no_grad()
 def reference_match(model, tokenizer, env, streams, args) -> dict:
     """A diagnostic, not a reward: does the actor act on its notes? The scripted reference plays the
     held-out `streams` (each task reading the scripted notes of the tasks before it); in every state it
