@@ -115,15 +115,11 @@ def reference_match(model, tokenizer, env, streams, args) -> dict:
     "with_notes/apply": {..., "chance", "colour", "colour_chance", "stone", "stone_chance"}, ...}."""
     from alchemy import parse_observation
     imitation = dataclasses.replace(args, warmstart_mode="imitation")
-    states = []                                  # (memory, the reference's action, observed state, context)
+    states = []                    # (with_notes | scratch, the reference's action, observed state, context)
     for t, ep, _ in scripted_play(tokenizer, env, streams, imitation):
-        turn = 0                                 # the reply to ep.observations[turn]
-        for row in ep.rows():
-            for span in _spans(row.loss_mask):
-                action = rollout.parse_action(tokenizer.decode([row.tokens[i] for i in span])) or ""
-                state = parse_observation(ep.observations[turn]) if turn < len(ep.observations) else None
-                states.append(("with_notes" if t else "scratch", action, state, row.tokens[:span[0]]))
-                turn += 1
+        contexts = [row.tokens[:span[0]] for row in ep.rows() for span in _spans(row.loss_mask)]
+        for turn, (action, context) in enumerate(zip(ep.actions, contexts)):   # reply turn answers observations[turn]
+            states.append(("with_notes" if t else "scratch", action, parse_observation(ep.observations[turn]), context))
     was_training = model.training
     model.eval()
     guesses = rollout.greedy_actions(model, tokenizer, [s[3] for s in states], args.max_new_tokens)
@@ -156,11 +152,10 @@ def _apply_hits(action: str, guess: str, state: dict) -> dict:
 
 
 def _spans(mask) -> list:
-    """Runs of consecutive 1s in a loss mask (one per agent reply), as index lists; position 0 never
-    counts (nothing predicts it)."""
+    """Runs of consecutive 1s in a loss mask (one per agent reply), as index lists."""
     spans, cur = [], []
     for i, v in enumerate(mask):
-        if v and i:
+        if v:
             cur.append(i)
         elif cur:
             spans.append(cur); cur = []
