@@ -273,16 +273,19 @@ class AlchemyEnv:
         self._done = True
 
     def tasks(self, split: str) -> list:
-        """Worlds 0..num_train-1 are "train", the next num_test are "test"; tasks sorted by world then difficulty."""
+        """Worlds 0..num_train-1 are "train", the next num_test are "test"; tasks sorted by world then difficulty.
+        Past 16 training worlds the test worlds stay 16..16+num_test-1 and the extra training worlds are
+        numbered after them, so a run that trains on more worlds is scored on the same test worlds."""
         if split not in ("train", "test"):
             raise ValueError(f"split must be 'train' or 'test', not {split!r}")
         key = (tuple(sorted(self.config.items())), split)
         if key not in _TASKS:       # shared by every env of this config (clones included): each task is solved exactly
             c = self.config
-            first = 0 if split == "train" else c["num_train_worlds"]
-            count = c["num_train_worlds"] if split == "train" else c["num_test_worlds"]
+            n, m = c["num_train_worlds"], c["num_test_worlds"]
+            cut = min(n, 16)                 # the first test world
+            ids = [*range(cut), *range(cut + m, n + m)] if split == "train" else range(cut, cut + m)
             tasks = []
-            for w in range(first, first + count):
+            for w in ids:
                 world = make_world(random.Random(f"alchemy/{c['seed']}/world/{w}"))
                 for d in range(len(LEVELS)):
                     for j in range(c["tasks_per_level"]):

@@ -117,6 +117,7 @@ class Args:
     eval_attempts: int = 2           # from-scratch attempts per task when eval_temperature > 0 (benchmark: 4)
     eval_temperature: float = 0.0    # 0 = greedy evaluation (then one from-scratch attempt is exact)
     eval_streams: int = 16           # held-out streams over the test worlds (the CI is over streams)
+    train_worlds: int = 16           # Alchemy training worlds (the 4 test worlds are the same for any number)
     eval_segment: int = 3            # tasks per block of a held-out stream (fixed, so --segment ablations share them)
     swebench: str = ""               # --env codebase: evaluate on these SWE-bench JSONL rows instead of the 19-issue stream
     swebench_repos: str = ""         # a git checkout (or a folder of checkouts) holding the rows' base commits, offline
@@ -153,7 +154,7 @@ class Args:
         check(self.group_size >= 2, f"--group-size must be >= 2 for group baselines, got {self.group_size}")
         for name in ("segment", "streams_per_step", "max_turns", "max_new_tokens", "memory_tokens", "traj_chars",
                      "micro_batch_tokens", "warmstart_batch", "warmstart_streams", "eval_attempts",
-                     "checkpoint_every", "eval_streams", "eval_segment"):
+                     "checkpoint_every", "eval_streams", "eval_segment", "train_worlds"):
             check(getattr(self, name) >= 1, f"{cli.flag(name)} must be >= 1, got {getattr(self, name)}")
         for name in ("steps", "eval_every", "threads", "warmstart_steps"):
             check(getattr(self, name) >= 0, f"{cli.flag(name)} must be >= 0, got {getattr(self, name)}")
@@ -206,6 +207,15 @@ def load_model(name: str, seed: int):
         return tiny("qwen3", seed=seed, tokenizer=tok, hidden_size=192, num_layers=4, intermediate_size=512,
                     max_seq_len=8192)
     return load_named(name, seed, max_seq_len=8192)
+
+
+def make_env(args: Args):
+    """The domain's env: on Alchemy --train-worlds training worlds, and the laptop preset plays one
+    trial per task (the paper's episodes are longer), so rows stay short."""
+    if args.env != "alchemy":
+        return envs.make(args.env)
+    return envs.make("alchemy", num_train_worlds=args.train_worlds,
+                     **({"num_trials": 1} if args.preset == "laptop" else {}))
 
 
 def _domain_text() -> str:
@@ -488,8 +498,7 @@ def setup(args: Args) -> Run:
     model, tokenizer = load_model(args.model, args.seed)     # checked before anything is written
     if args.init_from:                                       # another run's policy (and its tokenizer)
         model, tokenizer = load(args.init_from), load_tokenizer(args.init_from)
-    # the laptop preset plays one Alchemy trial per task (the paper's episodes are longer): short rows
-    env = envs.make(args.env, **({"num_trials": 1} if args.env == "alchemy" and args.preset == "laptop" else {}))
+    env = make_env(args)
     streams = eval_streams(env, args)
     os.makedirs(os.path.join(args.run_dir, "memories"), exist_ok=True)
     if d.is_main:

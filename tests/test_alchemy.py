@@ -179,6 +179,21 @@ def test_tasks_cover_worlds_and_difficulties(env, train):
             assert trial_optimum(chem, trial["stones"], trial["potions"]) > 0
 
 
+def test_more_training_worlds_keep_the_test_worlds(env):
+    """--train-worlds past 16 adds training worlds and leaves the test tasks as they were (so runs
+    that train on more worlds are scored on the same tasks); fewer than 16 moves them down, as before."""
+    more = AlchemyEnv(num_train_worlds=20, tasks_per_level=1)
+    base = AlchemyEnv(tasks_per_level=1)
+    assert [(t.id, t.data) for t in more.tasks("test")] == [(t.id, t.data) for t in base.tasks("test")]
+    assert {t.group for t in more.tasks("test")} == {"w16", "w17", "w18", "w19"}
+    train = {t.group for t in more.tasks("train")}
+    assert len(train) == 20 and train.isdisjoint({"w16", "w17", "w18", "w19"}) and "w23" in train
+    assert [t.data for t in more.tasks("train")[:16 * 6]] == [t.data for t in base.tasks("train")]
+    fewer = AlchemyEnv(num_train_worlds=3, num_test_worlds=2, tasks_per_level=1)
+    assert {t.group for t in fewer.tasks("train")} == {"w00", "w01", "w02"}
+    assert {t.group for t in fewer.tasks("test")} == {"w03", "w04"}
+
+
 def test_world_fixes_chemistry_and_graphs_are_nested(train):
     world = [t for t in train if t.group == "w03"]
     assert len({(t.data["flips"], tuple(t.data["perm"]), tuple(t.data["dirs"])) for t in world}) == 1

@@ -146,6 +146,12 @@ def test_bad_config_is_a_clear_error(tmp_path):
         assert not (tmp_path / "r").exists()     # rejected before any work, config.json included
 
 
+def test_train_worlds_reach_the_env_and_keep_its_test_worlds():
+    wide, base = (rime.make_env(rime.parse_args(a)) for a in (["--train-worlds", "40"], []))
+    assert len({t.group for t in wide.tasks("train")}) == 40 and wide.config["num_trials"] == 1
+    assert [t.id for t in wide.tasks("test")] == [t.id for t in base.tasks("test")]
+
+
 @pytest.mark.parametrize("bad, msg", [
     (["--k", "0"], "--k must be >= 1"), (["--env", "nope"], "--env must be"),
     (["--model", "/no/such/dir"], "not 'small', 'tiny'"), (["--threads", "-1"], "--threads must be >= 0"),
@@ -153,6 +159,7 @@ def test_bad_config_is_a_clear_error(tmp_path):
     (["--lr", "nan"], "--lr must be a number"), (["--temperature", "0"], "--temperature must be a number in (0"),
     (["--max-turns", "0"], "--max-turns must be >= 1"), (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--memory-tokens", "0"], "--memory-tokens must be >= 1"), (["--eval-streams", "0"], "--eval-streams must be >= 1"),
+    (["--train-worlds", "0"], "--train-worlds must be >= 1"),
     (["--warmstart-mode", "copy"], "--warmstart-mode must be protocol or imitation"),
     (["--eval-temperature", "-1"], "--eval-temperature must be a number in [0"),
     (["--writer-temperature", "0"], "--writer-temperature must be a number in (0"),
