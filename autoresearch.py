@@ -35,6 +35,7 @@ once per episode, the recipe an earlier run found best (the one the reference ac
 The reference policy reads the note, README.md, train.py and a few data rows, then applies the
 recipe, runs and evaluates; after a context reset the recipe is gone unless CONTINUATION.md carries
 it (an agent could still rediscover it by trying recipes in the actions left). `relay_policy`.
+`extra_train_relay` adds that many relay tasks per training lab.
 
 Simplified on purpose: one model family and one metric (accuracy), small data (1,500 training
 rows, 8 columns) so that a run takes well under a second on 2 cores; no leaderboard, no medals.
@@ -166,11 +167,11 @@ class AutoResearchEnv(ShellTaskEnv):
     OUT_OF_ACTIONS = "nothing evaluated"
     def __init__(self, seed: int = 0, num_train_groups: int = 16, num_test_groups: int = 11,
                  tasks_per_group: int = 12, max_steps: int = 20, run_timeout: float = 20.0,
-                 relay_per_group: int = 0):
+                 relay_per_group: int = 0, extra_train_relay: int = 0):
         assert tasks_per_group % 3 == 0, "tasks_per_group must be a multiple of 3 (one third per difficulty)"
         self.config = dict(seed=seed, num_train_groups=num_train_groups, num_test_groups=num_test_groups,
                            tasks_per_group=tasks_per_group, max_steps=max_steps, run_timeout=run_timeout,
-                           relay_per_group=relay_per_group)
+                           relay_per_group=relay_per_group, extra_train_relay=extra_train_relay)
         self.seed, self.max_steps, self.run_timeout = seed, max_steps, run_timeout
         self._tasks = {"train": [], "test": []}
         for g in range(num_train_groups + num_test_groups):
@@ -180,7 +181,8 @@ class AutoResearchEnv(ShellTaskEnv):
                 self._tasks[split].append(Task(
                     id=f"autoresearch/lab{g:02d}/t{k:02d}", env="autoresearch", difficulty=difficulty,
                     group=f"lab{g:02d}", split=split, data={"seed": int(seed * 100_003 + g * 1_000 + k)}))
-            for k in range(relay_per_group):   # the relay family: the recipe is in a lab note shown once
+            extra = extra_train_relay if split == "train" else 0   # seeds 500 + k: the other tasks stay the same
+            for k in range(relay_per_group + extra):   # the relay family: the recipe is in a lab note shown once
                 self._tasks[split].append(Task(
                     id=f"autoresearch/lab{g:02d}/relay{k:02d}", env="autoresearch", difficulty=3,
                     group=f"lab{g:02d}", split=split,

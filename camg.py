@@ -90,6 +90,7 @@ class Config:
     env_weights: str = "shop=1,coding=0,deepresearch=1,autoresearch=1"   # episode mix; 0 leaves an env out (coding: opt in, each episode grades in a sandbox)
     family: str = "relay"           # task family: relay (facts cross a context reset) | standard (facts
                                     # cross the tasks of a stream) | both
+    extra_train_relay: int = 0      # more relay tasks per training shopper / region / lab (more facts to carry); test tasks stay
     batch_episodes: int = 8         # episodes per update
     rollout_batch: int = 8          # episodes a worker runs together (one batched generate per turn)
     num_workers: int = 1            # plain python: rollout worker processes; 0 = rollout inline, one process
@@ -142,7 +143,8 @@ class Config:
         check(self.train_memory in ("full", "blank", "continuation"),
               f"--train-memory must be full, blank or continuation, not {self.train_memory!r}")
         check(self.family in ("relay", "standard", "both"), f"--family must be relay, standard or both, not {self.family!r}")
-        for name in ("steps", "eta", "num_workers", "train_ranks", "eval_tasks", "eval_every", "warmstart_tasks"):
+        for name in ("steps", "eta", "num_workers", "train_ranks", "eval_tasks", "eval_every", "warmstart_tasks",
+                     "extra_train_relay"):
             check(getattr(self, name) >= 0, f"{cli.flag(name)} must be >= 0, got {getattr(self, name)}")
         for name in ("batch_episodes", "rollout_batch", "max_queue", "max_turns", "max_new_tokens",
                      "eval_stream_len", "save_every", "micro_batch_tokens", "warmstart_batch"):

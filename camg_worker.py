@@ -33,16 +33,19 @@ RELAY = {"shop": {"relay_per_shopper": 4}, "coding": {"relay": True}, "deepresea
 STANDARD_OFF = {"shop": {"tasks_per_shopper": 0}, "coding": {"standard": False},
                 "deepresearch": {"tasks_per_region": 0}, "autoresearch": {"tasks_per_group": 0}}
 
-def make_env(name: str, family: str = "relay"):
+def make_env(name: str, family: str = "relay", extra_train_relay: int = 0):
     """A CAMG environment as this trainer uses it, with the tasks of `family` (relay / standard / both).
     The coding env keeps `.agent_memory/` across tasks here, as the other three do by default (what a
-    task starts with is still the worker's memory mode)."""
+    task starts with is still the worker's memory mode). extra_train_relay: more relay tasks per
+    training group (not coding's, whose relay tasks are one per native bug); the test tasks stay."""
     kw = {**(RELAY[name] if family != "standard" else {}), **(STANDARD_OFF[name] if family == "relay" else {})}
+    if extra_train_relay and family != "standard" and name != "coding":
+        kw["extra_train_relay"] = extra_train_relay
     return envs.make(name, keep_memory=True, **kw) if name == "coding" else envs.make(name, **kw)
 
 
 def env_maker(cfg):
-    return lambda name: make_env(name, cfg.family)
+    return lambda name: make_env(name, cfg.family, cfg.extra_train_relay)
 
 
 def domain_text(seed: int = 99) -> str:

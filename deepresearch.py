@@ -30,7 +30,8 @@ first (`shell: tail -n 40 ...`) and skips the hops it already knows.
 Relay family (`relay_per_region` > 0, difficulty 3; camg.py's laptop preset): a 4-hop question about
 "the person in the memo"; `memo[]` names them, once per episode. After a context reset the start
 person (and the hops found) are gone unless written to CONTINUATION.md and read back: the task is
-solved only through the file. `relay_policy` is its reference.
+solved only through the file. `relay_policy` is its reference. `extra_train_relay` adds that many
+relay tasks per training region, drawn from their own random stream (the other tasks stay the same).
 
 Hidden: the answer lives only in the env's memory; the corpus is reached through search/open and
 never written to the workspace. Difficulty = hops - 2 (0, 1, 2).
@@ -203,23 +204,25 @@ class DeepResearchEnv(ShellTaskEnv):
     OUT_OF_ACTIONS = "no answer"
     def __init__(self, seed: int = 0, num_countries: int = 30, people_per_country: int = 25,
                  num_test_regions: int = 11, tasks_per_region: int = 12, max_steps: int = 20,
-                 partial_credit: float = 0.5, shell_timeout: float = 10.0, relay_per_region: int = 0):
+                 partial_credit: float = 0.5, shell_timeout: float = 10.0, relay_per_region: int = 0,
+                 extra_train_relay: int = 0):
         assert num_test_regions < num_countries, "need at least one training region"
         assert tasks_per_region % 3 == 0, "tasks_per_region must be a multiple of 3 (one third per hop count)"
         self.config = dict(seed=seed, num_countries=num_countries, people_per_country=people_per_country,
                            num_test_regions=num_test_regions, tasks_per_region=tasks_per_region,
                            max_steps=max_steps, partial_credit=partial_credit, shell_timeout=shell_timeout,
-                           relay_per_region=relay_per_region)
+                           relay_per_region=relay_per_region, extra_train_relay=extra_train_relay)
         self.seed, self.max_steps, self.partial_credit, self.shell_timeout = seed, max_steps, partial_credit, shell_timeout
         self.ents, countries, self.doc_ids, self.docs, self.bm25 = build_world(seed, num_countries, people_per_country)
         self.doc_index = {d: i for i, d in enumerate(self.doc_ids)}
-        self._tasks = self._make_tasks(countries, num_test_regions, tasks_per_region, relay_per_region)
+        self._tasks = self._make_tasks(countries, num_test_regions, tasks_per_region, relay_per_region,
+                                       extra_train_relay)
         self.workspace = Workspace(shell_timeout, obs_chars=2000)
         self.task, self.info, self.done = None, {}, True
 
-    def _make_tasks(self, countries, num_test, per_region, relay_per_region):
+    def _make_tasks(self, countries, num_test, per_region, relay_per_region, extra_train_relay):
         rng = np.random.default_rng([self.seed, 1])
-        tasks = {"train": [], "test": []}
+        tasks, seen_by_region = {"train": [], "test": []}, {}
         for r, country in enumerate(countries):
             split = "test" if r >= len(countries) - num_test else "train"
             people = [n for n, e in self.ents.items() if e["type"] == "person" and e["home"] == country]
@@ -235,22 +238,32 @@ class DeepResearchEnv(ShellTaskEnv):
                                          group=f"region{r:02d}", split=split,
                                          data={"question": text, "path": path, "answer": answer}))
                 k += 1
-            k = 0
-            while k < relay_per_region:   # the relay family: the start person is in a memo shown once
-                start = people[int(rng.integers(len(people)))]
-                q = make_question(rng, self.ents, start, 4)
-                if q is None or q[0] in seen:
-                    continue
-                seen.add(q[0])
-                text, path, answer = q
-                question = text.replace(f" of {start}?", " of the person in the memo? "
-                                        "(memo[] shows who it is, only once)")
-                tasks[split].append(Task(id=f"deepresearch/r{r:02d}/relay{k:02d}", env="deepresearch", difficulty=3,
-                                         group=f"region{r:02d}", split=split,
-                                         data={"question": question, "path": path, "answer": answer,
-                                               "memo": f"Memo (shown once): the person in question is {start}."}))
-                k += 1
+            tasks[split] += self._relay_tasks(rng, people, r, split, seen, range(relay_per_region))
+            seen_by_region[r] = (people, seen)
+        extra = np.random.default_rng([self.seed, 2])   # its own stream: every task above stays as it was
+        for r, (people, seen) in seen_by_region.items():
+            if r < len(countries) - num_test:
+                ks = range(relay_per_region, relay_per_region + extra_train_relay)
+                tasks["train"] += self._relay_tasks(extra, people, r, "train", seen, ks)
         return tasks
+
+    def _relay_tasks(self, rng, people, r, split, seen, ks) -> list:
+        """The relay family's tasks number ks of region r: the start person is in a memo shown once."""
+        out, ks = [], list(ks)
+        while len(out) < len(ks):
+            start = people[int(rng.integers(len(people)))]
+            q = make_question(rng, self.ents, start, 4)
+            if q is None or q[0] in seen:
+                continue
+            seen.add(q[0])
+            text, path, answer = q
+            question = text.replace(f" of {start}?", " of the person in the memo? "
+                                    "(memo[] shows who it is, only once)")
+            out.append(Task(id=f"deepresearch/r{r:02d}/relay{ks[len(out)]:02d}", env="deepresearch", difficulty=3,
+                            group=f"region{r:02d}", split=split,
+                            data={"question": question, "path": path, "answer": answer,
+                                  "memo": f"Memo (shown once): the person in question is {start}."}))
+        return out
 
     # --- episode
 

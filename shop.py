@@ -39,6 +39,8 @@ category, attributes and price limit, and says the options are on the shopping n
 shown once per episode (it lists options for every category: the agent finds its own). Under a small
 context budget the note is gone after a CONTINUATION.md reset, so the task is solved only if the
 options are written down before the reset and read back after it. `relay_policy` is its reference.
+`extra_train_relay` adds that many relay tasks per training shopper (more notes to learn to carry),
+drawn from their own random stream, so the test split and every other task stay the same.
 
 Simplified on purpose: no free-text descriptions, reviews or images; one catalogue per seed shared
 by both splits (the shoppers are split, not the products); no human instructions.
@@ -190,48 +192,57 @@ class ShopEnv(ShellTaskEnv):
     OUT_OF_ACTIONS = "nothing bought"
     def __init__(self, seed: int = 0, num_products: int = 1200, num_train_shoppers: int = 24,
                  num_test_shoppers: int = 11, tasks_per_shopper: int = 12, max_steps: int = 20,
-                 page_size: int = 5, shell_timeout: float = 10.0, relay_per_shopper: int = 0):
+                 page_size: int = 5, shell_timeout: float = 10.0, relay_per_shopper: int = 0,
+                 extra_train_relay: int = 0):
         assert num_products >= len(CATEGORIES) * 20, \
             f"num_products={num_products} is too small: use at least 20 per category ({len(CATEGORIES) * 20})"
         assert tasks_per_shopper % 3 == 0, "tasks_per_shopper must be a multiple of 3 (one third per difficulty)"
         self.config = dict(seed=seed, num_products=num_products, num_train_shoppers=num_train_shoppers,
                            num_test_shoppers=num_test_shoppers, tasks_per_shopper=tasks_per_shopper,
                            max_steps=max_steps, page_size=page_size, shell_timeout=shell_timeout,
-                           relay_per_shopper=relay_per_shopper)
+                           relay_per_shopper=relay_per_shopper, extra_train_relay=extra_train_relay)
         self.seed, self.max_steps, self.page_size, self.shell_timeout = seed, max_steps, page_size, shell_timeout
         self.products, self.bm25 = build_catalogue(seed, num_products)
         self.by_id = {p.id: p for p in self.products}
-        self._tasks = self._make_tasks(num_train_shoppers, num_test_shoppers, tasks_per_shopper, relay_per_shopper)
+        self._tasks = self._make_tasks(num_train_shoppers, num_test_shoppers, tasks_per_shopper, relay_per_shopper,
+                                       extra_train_relay)
         self.workspace = Workspace(shell_timeout, obs_chars=1500)
         self.task, self.info, self.done = None, {}, True
 
-    def _make_tasks(self, num_train, num_test, per_shopper, relay_per_shopper):
+    def _make_tasks(self, num_train, num_test, per_shopper, relay_per_shopper, extra_train_relay):
         rng = np.random.default_rng([self.seed, 1])
-        tasks = {"train": [], "test": []}
+        tasks, shoppers = {"train": [], "test": []}, []
         for s in range(num_train + num_test):
             split = "train" if s < num_train else "test"
             shopper = {"id": f"shopper{s:02d}", "size": SIZES[int(rng.integers(len(SIZES)))],
                        "brand": BRANDS[int(rng.integers(len(BRANDS)))]}
+            shoppers.append(shopper)
             for k in range(per_shopper):
                 difficulty = 3 * k // per_shopper
                 goal = make_goal(rng, self.products, shopper, difficulty)
                 tasks[split].append(Task(id=f"shop/{shopper['id']}/t{k:02d}", env="shop", difficulty=difficulty,
                                          group=shopper["id"], split=split, data={"goal": goal, "shopper": shopper}))
             for k in range(relay_per_shopper):     # the relay family: the options are on a note shown once
-                goal = make_goal(rng, self.products, shopper, 1)
-                article = "an" if goal["category"][0] in "aeiou" else "a"
-                goal["instruction"] = (f"buy {article} {goal['category']} that is {' and '.join(goal['attributes'])}; "
-                                       f"price under ${goal['price_limit']:.2f} (note: the options I want are on my "
-                                       "shopping note: click[note], shown only once)")
-                lists = {c: {n: vals[int(rng.integers(len(vals)))] for n, vals in CATEGORIES[c][1].items()}
-                         for c in CATEGORIES}   # the note covers every category: the agent finds its own
-                lists[goal["category"]] = goal["options"]
-                note = "Shopping note (shown once): " + "; ".join(
-                    f"for the {c}: " + " ".join(f"{k_}={v}" for k_, v in o.items()) for c, o in lists.items())
-                tasks[split].append(Task(id=f"shop/{shopper['id']}/relay{k:02d}", env="shop", difficulty=3,
-                                         group=shopper["id"], split=split,
-                                         data={"goal": goal, "shopper": shopper, "note": note}))
+                tasks[split].append(self._relay_task(rng, shopper, k, split))
+        extra = np.random.default_rng([self.seed, 2])   # its own stream: every task above stays as it was
+        for shopper in shoppers[:num_train]:
+            for k in range(relay_per_shopper, relay_per_shopper + extra_train_relay):
+                tasks["train"].append(self._relay_task(extra, shopper, k, "train"))
         return tasks
+
+    def _relay_task(self, rng, shopper, k, split) -> Task:
+        goal = make_goal(rng, self.products, shopper, 1)
+        article = "an" if goal["category"][0] in "aeiou" else "a"
+        goal["instruction"] = (f"buy {article} {goal['category']} that is {' and '.join(goal['attributes'])}; "
+                               f"price under ${goal['price_limit']:.2f} (note: the options I want are on my "
+                               "shopping note: click[note], shown only once)")
+        lists = {c: {n: vals[int(rng.integers(len(vals)))] for n, vals in CATEGORIES[c][1].items()}
+                 for c in CATEGORIES}   # the note covers every category: the agent finds its own
+        lists[goal["category"]] = goal["options"]
+        note = "Shopping note (shown once): " + "; ".join(
+            f"for the {c}: " + " ".join(f"{k_}={v}" for k_, v in o.items()) for c, o in lists.items())
+        return Task(id=f"shop/{shopper['id']}/relay{k:02d}", env="shop", difficulty=3, group=shopper["id"],
+                    split=split, data={"goal": goal, "shopper": shopper, "note": note})
 
     # --- episode
 

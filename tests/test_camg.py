@@ -182,6 +182,7 @@ def test_bad_config_is_a_clear_error_before_work(tmp_path, capsys):
                         (["--lr", "0"], "--lr must be"), (["--temperature", "-1"], "--temperature must be"),
                         (["--max-turns", "0"], "--max-turns must be >= 1"),
                         (["--family", "long"], "--family must be relay, standard or both"),
+                        (["--extra-train-relay", "-1"], "--extra-train-relay must be >= 0"),
                         (["--warmstart-steps", "-2"], "--warmstart-steps must be -1"),
                         (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
                         (["--model", str(tmp_path / "no-such-model")], "no such directory"),
@@ -503,3 +504,21 @@ def test_summary_pairs_tasks_and_counts_resets():
     assert r["read_after_reset"] == pytest.approx(0.75)
     assert r["success_with_reset"] == pytest.approx(0.75) and r["success_without_reset"] == pytest.approx(0.25)
     assert "| average | 8 |" in camg_eval.effect_table(s)
+
+
+@pytest.mark.parametrize("name, groups", [("shop", 24), ("deepresearch", 19), ("autoresearch", 16)])
+def test_extra_train_relay_adds_training_tasks_and_keeps_the_rest(name, groups):
+    """--extra-train-relay N: N more relay tasks per training group (two sampled: the reference
+    solves them); the test split and every earlier training task are as they were."""
+    base, more = camg_worker.make_env(name), camg_worker.make_env(name, "relay", 2)
+    assert [(t.id, t.data) for t in more.tasks("test")] == [(t.id, t.data) for t in base.tasks("test")]
+    old = {t.id: t.data for t in base.tasks("train")}
+    new = [t for t in more.tasks("train") if t.id not in old]
+    assert len(new) == 2 * groups and len({t.id for t in more.tasks("train")}) == len(old) + len(new)
+    assert all(old[t.id] == t.data for t in more.tasks("train") if t.id in old)
+    assert all(t.difficulty == 3 and t.split == "train" for t in new)
+    carried, _ = camg_worker.reference_episodes(more, new[::groups][:2], camg_worker.small_tokenizer(), camg.Config())
+    assert len(carried) == 2 and all(ep.info.get("success") for ep in carried)
+    assert camg_worker.make_env("coding", "relay", 2).config == camg_worker.make_env("coding", "relay").config
+    made = camg_worker.env_maker(camg.Config(extra_train_relay=2))(name)   # what camg.py's workers build
+    assert [t.id for t in made.tasks("train")] == [t.id for t in more.tasks("train")]
