@@ -124,7 +124,7 @@ class Config:
     warmstart_tasks: int = 24       # train tasks per env whose reference trajectories are imitated
     eval_tasks: int = 16            # test tasks per environment (the paper: 128); 0 = no evaluation
     eval_stream_len: int = 1        # tasks per evaluation stream (memory carries along a stream)
-    eval_memory: str = "full"       # comma list of memory modes to evaluate: full,blank,shuffle,continuation
+    eval_memory: str = "full"       # comma list of memory modes to evaluate: full,blank,shuffle,continuation,wiped
     eval_every: int = 0             # also evaluate every this many updates (0 = at the end only)
     eval_only: bool = False         # evaluate the resumed (or initial) model without training
     save_every: int = 50            # checkpoint every this many updates, and at the end

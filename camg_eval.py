@@ -56,7 +56,9 @@ def evaluate(cfg, model, tokenizer, mode: str, rank: int = 0, world: int = 1, ma
             if len(parts) > 1 and len(parts[-1]) == 1:
                 parts[-2] += parts.pop()
             mine = [s for part in parts[rank::world] for s in part]
-            envs_ = [ProtocolEnv(proto)] + [ProtocolEnv(proto.clone()) for _ in mine[1:]]
+            wipe = mode == "wiped"     # CONTINUATION.md deleted at every reset inside an episode
+            envs_ = [ProtocolEnv(proto, wipe_at_reset=wipe)] + [ProtocolEnv(proto.clone(), wipe_at_reset=wipe)
+                                                                for _ in mine[1:]]
             streams += [(name, e, s) for e, s in zip(envs_, mine)]
             results[name] = {"success": 0.0, "score": 0.0, "num": 0, "failed": 0, "episodes": []}
             if not mine:

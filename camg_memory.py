@@ -3,7 +3,9 @@ the CONTINUATION.md reset protocol inside an episode, as camg.py runs and record
 
 Between tasks (`apply_memory_mode`, `memory_note`): full keeps `.agent_memory/`, blank empties it,
 continuation keeps only CONTINUATION.md, shuffle swaps in another stream's folder (the ablations);
-a task's first user turn lists the saved files' paths, never their contents.
+a task's first user turn lists the saved files' paths, never their contents. One mode acts inside the
+episode: wiped keeps the folder between tasks as full does, and deletes CONTINUATION.md at every
+context reset (`ProtocolEnv(wipe_at_reset=True)`), so a success that needs the file's content fails.
 
 Inside an episode: rollout.py resets a context when the next turn would not fit in the context budget: it first asks
 the policy to save its progress to `.agent_memory/CONTINUATION.md` (one sampled, trained action),
@@ -38,7 +40,7 @@ import re
 from rollout import ACTOR_SYSTEM, CONTINUATION_PATH, ChatFormat, agent_loop
 
 FILE = CONTINUATION_PATH.split("/", 1)[1]      # "CONTINUATION.md" inside .agent_memory/
-MEMORY_MODES = ("full", "blank", "shuffle", "continuation")
+MEMORY_MODES = ("full", "blank", "shuffle", "continuation", "wiped")
 NO_MEMORY, KEPT = "No saved memory files yet.", " Notes you write under .agent_memory/ are kept for later tasks."
 MAX_CHARS = 1200                               # the file's bound: enough for a task's facts, not a transcript
 OUTCOMES = ("written", "empty", "missing", "stale")
@@ -96,9 +98,10 @@ class ProtocolEnv:
     """An environment with the reset protocol's bound and record (see the module docstring). Every
     attribute it does not define is the wrapped environment's."""
 
-    def __init__(self, env, max_chars: int = MAX_CHARS):
-        self.env, self.max_chars = env, max_chars
+    def __init__(self, env, max_chars: int = MAX_CHARS, wipe_at_reset: bool = False):
+        self.env, self.max_chars, self.wipe_at_reset = env, max_chars, wipe_at_reset
         self.start, self.wrote, self.resets, self.reads = None, False, [], []
+        self.live = False   # inside an episode (between reset and done): a memory_files() call is a reset
 
     def __getattr__(self, name):
         return getattr(self.env, name)
@@ -109,6 +112,7 @@ class ProtocolEnv:
     def reset(self, task):
         obs = self.env.reset(task)
         self.start, self.wrote, self.resets, self.reads = self._file(), False, [], []
+        self.live = True
         return obs
 
     def memory_files(self) -> dict:
@@ -118,12 +122,16 @@ class ProtocolEnv:
         self.resets.append("missing" if text is None else "empty" if not text.strip()
                            else "written" if self.wrote else "stale")
         self.reads.append(False)
+        if self.wipe_at_reset and self.live and text is not None:   # the "wiped" ablation: recorded, then gone
+            files = {k: v for k, v in files.items() if k != FILE}
+            self.env.set_memory_files(files)
         return files
 
     def step(self, action: str):
         if self.resets and reads_continuation(action):
             self.reads[-1] = True
         obs, reward, done = self.env.step(action)
+        self.live = not done
         text = self._file()
         self.wrote = self.wrote or text != self.start
         if text is not None and len(text) > self.max_chars:
@@ -134,7 +142,7 @@ class ProtocolEnv:
         return obs, reward, done
 
     def clone(self):
-        return ProtocolEnv(self.env.clone(), self.max_chars)
+        return ProtocolEnv(self.env.clone(), self.max_chars, self.wipe_at_reset)
 
     def close(self):
         self.env.close()

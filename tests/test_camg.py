@@ -522,3 +522,37 @@ def test_extra_train_relay_adds_training_tasks_and_keeps_the_rest(name, groups):
     assert camg_worker.make_env("coding", "relay", 2).config == camg_worker.make_env("coding", "relay").config
     made = camg_worker.env_maker(camg.Config(extra_train_relay=2))(name)   # what camg.py's workers build
     assert [t.id for t in made.tasks("train")] == [t.id for t in more.tasks("train")]
+
+
+def test_wiped_mode_deletes_the_file_at_each_reset_and_then_the_reference_fails():
+    """--eval-memory wiped: CONTINUATION.md is recorded at a reset, then deleted (only inside an
+    episode: not before a task starts); the reference policy, which carries the relay fact in the
+    file, then fails every held-out relay task it resets in."""
+    import deepresearch
+    env = ProtocolEnv(deepresearch.DeepResearchEnv(relay_per_region=1, tasks_per_region=0), wipe_at_reset=True)
+    try:
+        env.set_memory_files({"CONTINUATION.md": "from the last task"})
+        assert "CONTINUATION.md" in env.memory_files(), "before reset(): a task's first note, not a reset"
+        env.reset(env.tasks("test")[0])
+        env.step("shell: printf 'the memo said' > .agent_memory/CONTINUATION.md")
+        assert "CONTINUATION.md" not in env.memory_files() and "CONTINUATION.md" not in env.env.memory_files()
+        assert camg_memory.reset_outcomes(env) == [{"before": "written", "read": False}]
+        assert env.clone().wipe_at_reset
+    finally:
+        env.close()
+    assert "wiped" in camg_memory.MEMORY_MODES and camg.parse_args(["--eval-memory", "full,wiped"]).eval_modes == ["full", "wiped"]
+    proto, cfg, tok = camg_worker.make_env("deepresearch"), camg.Config(), camg_worker.small_tokenizer()
+    tasks = proto.tasks("test")[:8]
+    envs_ = [ProtocolEnv(proto.clone(), wipe_at_reset=True) for _ in tasks]
+    try:
+        for e in envs_:
+            e.set_memory_files({})
+        agents = [camg_memory.CarryingAgent(lambda t=t, e=e: e.reference_policy(t)) for t, e in zip(tasks, envs_)]
+        eps = camg_memory.run_reference(tok, envs_, tasks, agents, [camg_memory.memory_note(e, False) for e in envs_],
+                                        context_budget=cfg.context_budget, max_turns=cfg.max_turns,
+                                        max_new_tokens=cfg.max_new_tokens)
+    finally:
+        for e in envs_ + [proto]:
+            e.close()
+    reset = [ep for ep in eps if ep.num_resets]
+    assert reset and not any(ep.info.get("success") for ep in reset)
