@@ -43,7 +43,8 @@ How it works (as in AReaL's asynchronous PPO):
   in order); success per env and the average, before RL (after the warm start) and after, paired by
   task; the paper's Table 2 layout beside the published rows. Ablations (--eval-memory): blank empties
   the saved memory before each task, shuffle swaps in another stream's memory, continuation keeps only
-  CONTINUATION.md (--train-memory too).
+  CONTINUATION.md (--train-memory too); wiped deletes CONTINUATION.md at every reset inside an episode
+  (does a success need what the file says?).
 
 Departures from the paper: small defaults; weights travel through files, not an NCCL broadcast (use a
 tmpfs --exchange-dir at scale); no KL to a reference by default (--kl-coef); a segment's GAE chain ends at
