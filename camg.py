@@ -477,10 +477,10 @@ def run_eval(run: Run, label: str, modes: list[str]) -> dict:
 def before_rl(run: Run):
     """Held-out success before RL (after the warm start), kept in the run dir so a resumed run pairs with it."""
     path = run.run_dir / "eval_before.pkl"
+    if path.exists() and run.cfg.eval_tasks and not run.cfg.eval_only:   # rerunning a finished run pairs with it too
+        return torch.load(path, weights_only=False)
     if not run.training or not run.cfg.eval_tasks:
         return None
-    if path.exists():
-        return torch.load(path, weights_only=False)
     before = run_eval(run, "before RL", run.cfg.eval_modes[:1])[run.cfg.eval_modes[0]]
     if run.d.is_main:
         torch.save(before, path)
@@ -567,12 +567,14 @@ def train(run: Run, num_spawn: int, remote_workers: bool) -> None:
 
 
 def report(run: Run, before, after: dict) -> None:
-    """summary.json and the before/after table with the reset statistics (rank 0)."""
+    """summary.json and the before/after table with the reset statistics (rank 0). --eval-only writes
+    summary_eval.json instead and prints the reset statistics only: the run's own summary stays."""
     if not run.d.is_main:
         return
     s = summary(before, after, time.time() - run.t0)
-    (run.run_dir / "summary.json").write_text(cli.dumps(s, indent=2) + "\n")
-    print0("\nHeld-out success before vs after RL (paired by task)\n" + effect_table(s))
+    name = "summary_eval.json" if run.cfg.eval_only else "summary.json"
+    (run.run_dir / name).write_text(cli.dumps(s, indent=2) + "\n")
+    print0(("\nHeld-out success before vs after RL (paired by task)\n" if s["per_env"] else "\n") + effect_table(s))
 
 
 def learner_main(cfg: Config, d: Dist, num_spawn: int = 0, remote_workers: bool = False, make_env=None):

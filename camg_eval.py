@@ -170,14 +170,18 @@ def summary(before: dict | None, after_by_mode: dict, wall_s: float) -> dict:
 
 
 def effect_table(s: dict) -> str:
-    """The before/after table of a summary, and its reset statistics, as text."""
+    """The before/after table of a summary, and its reset statistics, as text (the statistics only for
+    an evaluation with nothing before it, --eval-only)."""
     pct = lambda x: "nan" if x != x else f"{100 * x:.1f}"            # noqa: E731
-    lines = ["| env | tasks | success before RL | after RL | delta | 95% CI (paired) |", "|---|---|---|---|---|---|"]
-    for name, e in list(s["per_env"].items()) + ([("average", s["rl_effect"])] if s["rl_effect"] else []):
-        lines.append(f"| {TITLES.get(name, name)} | {e['tasks']} | {pct(e['success_before'])} | "
-                     f"{pct(e['success_after'])} | {pct(e['delta'])} | [{pct(e['ci95'][0])}, {pct(e['ci95'][1])}] |")
+    lines = []
+    if s["per_env"]:
+        lines = ["| env | tasks | success before RL | after RL | delta | 95% CI (paired) |", "|---|---|---|---|---|---|"]
+        for name, e in list(s["per_env"].items()) + [("average", s["rl_effect"])]:
+            lines.append(f"| {TITLES.get(name, name)} | {e['tasks']} | {pct(e['success_before'])} | "
+                         f"{pct(e['success_after'])} | {pct(e['delta'])} | [{pct(e['ci95'][0])}, {pct(e['ci95'][1])}] |")
+        lines.append("")
     r = s["resets"]
-    lines.append(f"\nResets (evaluation after RL, {r['episodes']} episodes): {pct(r['with_reset'])}% of episodes "
+    lines.append(f"Resets (evaluation after RL, {r['episodes']} episodes): {pct(r['with_reset'])}% of episodes "
                  f"reset at least once; CONTINUATION.md written before {pct(r['written_before_reset'])}% of resets, "
                  f"read back after {pct(r['read_after_reset'])}%; success {pct(r['success_with_reset'])}% with a "
                  f"reset vs {pct(r['success_without_reset'])}% without.")

@@ -144,6 +144,19 @@ def test_smoke_single_process_then_resume(tmp_path):
     learner = camg.learner_main(cfg, camg.Dist())
     assert learner.version == 3 and [m["update"] for m in jsonl(run / "metrics.jsonl")] == [1, 2, 3]
     assert len(jsonl(run / "episodes.jsonl")) >= 3 * 2, "resuming must append to the logs, not truncate them"
+    # --eval-only leaves the run's summary.json alone: its result goes to summary_eval.json, without a pairing
+    kept = (run / "summary.json").read_text()
+    cfg = camg.parse_args(["--model", "tiny", "--num_workers", "0", "--run_dir", str(run), "--eval-only",
+                           "--eval-tasks", "2", "--max-turns", "3", "--max-new-tokens", "16"])
+    camg.learner_main(cfg, camg.Dist())
+    assert (run / "summary.json").read_text() == kept
+    assert json.loads((run / "summary_eval.json").read_text())["rl_effect"] == {}
+    # rerunning the finished run's command evaluates again and pairs with its stored before-RL evaluation
+    (run / "summary.json").unlink()
+    cfg = camg.parse_args(["--model", "tiny", "--steps", "3", "--num_workers", "0", "--run_dir", str(run),
+                           "--eval-tasks", "2", "--max-turns", "3", "--max-new-tokens", "16"])
+    camg.learner_main(cfg, camg.Dist())
+    assert json.loads((run / "summary.json").read_text())["rl_effect"]["tasks"] == 6
 
 
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")
