@@ -19,23 +19,32 @@ The agent edits and runs code through the shell, then submits:
 Reward (paid at `evaluate`): `clip((acc - baseline) / (reference - baseline), 0, 1)` where acc is
 the test accuracy of predictions.csv, baseline the accuracy of the unchanged train.py and reference
 that of a stronger known solution (standardised features, linear or quadratic, chosen on the
-validation split, more steps), both computed in-process from the same script text when the task is
-first reset. success = reward >= SUCCESS_THRESHOLD (0.5: at least half of the known headroom).
+validation split, more steps; on relay tasks without the leaking column), both computed in-process
+from the same script text when the task is first reset. success = reward >= SUCCESS_THRESHOLD (0.5: at least half of the known headroom).
 Every shell command (and `run`) has a wall-clock budget of `run_timeout` seconds; the episode has
 `max_steps` actions (default 20). env.info: success, accuracy, baseline, reference, steps, ...
 
 Difficulty: 0 = mildly mis-scaled linear data (more steps or standardising fixes it);
 1 = badly scaled linear data (needs STANDARDIZE); 2 = a quadratic boundary (needs POLY_DEGREE = 2).
 Memory: tasks of a group (a "lab") share these failure modes, so the recipe that worked is worth
-keeping. The reference policy keeps it in `.agent_memory/notes.md` (`- best recipe: KNOB=value ...`)
-and, when the note exists, applies it first instead of trying recipes one by one.
+keeping (it saves runs: one fixed recipe, STANDARDIZE=True POLY_DEGREE=2 EPOCHS=300 LR=0.5, solves
+the standard family's tasks without any memory; the relay family below is where memory decides).
+The reference policy keeps it in `.agent_memory/notes.md` (`- best recipe: KNOB=value ...`) and,
+when the note exists, applies it first instead of trying recipes one by one.
 
-Relay family (`relay_per_group` > 0, difficulty 3; camg.py's laptop preset): the `note` action shows,
-once per episode, the recipe an earlier run found best (the one the reference accuracy comes from).
-The reference policy reads the note, README.md, train.py and a few data rows, then applies the
-recipe, runs and evaluates; after a context reset the recipe is gone unless CONTINUATION.md carries
-it (an agent could still rediscover it by trying recipes in the actions left). `relay_policy`.
-`extra_train_relay` adds that many relay tasks per training lab.
+Relay family (`relay_per_group` > 0, difficulty 3; camg.py's laptop preset): the data is of kind 1
+(badly scaled linear) or 2 (quadratic), and one column leaks the label: in the training and validation
+rows it nearly gives y away, in the test rows it is noise (make_dataset). A model that keeps it
+validates well and fails the test, so the known solution leaves it out (`DROP = [c]`). The `note`
+action shows, once per episode, which column leaks and the recipe an earlier run found best (the one
+the reference accuracy comes from). The reference policy reads the note, README.md, train.py and a
+few data rows, then applies the recipe, runs and evaluates; after a context reset the recipe is gone
+unless CONTINUATION.md carries it. No fixed recipe solves more than about one task in eight: the
+leaking column differs from task to task, and the validation split cannot show which it is
+(tests/test_autoresearch.py checks a grid of fixed recipes). An agent could still find the column by
+analysing the training data (it correlates with y far more than any real feature): a data scientist's
+check, not a hole in the grader. `relay_policy`. `extra_train_relay` adds that many relay tasks per
+training lab.
 
 Simplified on purpose: one model family and one metric (accuracy), small data (1,500 training
 rows, 8 columns) so that a run takes well under a second on 2 cores; no leaderboard, no medals.
@@ -63,6 +72,7 @@ POLY_DEGREE = 1       # 2 also adds every product x_i * x_j (squares included)
 EPOCHS = 20           # full-batch gradient steps
 LR = 0.05             # learning rate
 L2 = 0.0              # weight decay
+DROP = []             # columns to leave out, e.g. [3]
 
 
 def load(path):
@@ -89,10 +99,11 @@ def fit(X, y):
 
 
 def run(train, val, test):
-    X, y = train[:, :-1], train[:, -1]
+    keep = lambda A: np.delete(A, DROP, axis=1)   # the columns left in
+    X, y = keep(train[:, :-1]), train[:, -1]
     stats = (X.mean(0), X.std(0) + 1e-8)
     w, b = fit(features(X, stats), y)
-    predict = lambda A: (features(A, stats) @ w + b > 0).astype(int)
+    predict = lambda A: (features(keep(A), stats) @ w + b > 0).astype(int)
     val_acc = float((predict(val[:, :-1]) == val[:, -1]).mean())
     return predict(test), val_acc
 
@@ -132,25 +143,35 @@ def run_script(script: str, train, val, test):
 
 # --- datasets, generated from the task's seed
 
-def make_dataset(seed: int, difficulty: int):
-    """-> X [N, 8] float, y [N] in {0, 1}; N = train + val + test rows."""
+def make_dataset(seed: int, difficulty: int, leak: bool = False):
+    """-> X [N, 8] float, y [N] in {0, 1}, the leaking column (None without `leak`); N = train + val + test.
+
+    leak: one column is recorded after the outcome. In the training and validation rows it nearly gives
+    y away, so a model fitted on all columns leans on it and validates well. In the test rows it is
+    noise of the same distribution, so that model fails on test; nothing in the features shows which
+    column it is there. The fix is to leave it out (DROP), which the lab note of a relay task says."""
     rng = np.random.default_rng(seed)
     n = NUM_TRAIN + NUM_VAL + NUM_TEST
     Z = rng.normal(size=(n, NUM_COLUMNS))
+    leaky = int(rng.integers(NUM_COLUMNS)) if leak else None
+    R = Z[:, [c for c in range(NUM_COLUMNS) if c != leaky]]   # the columns the label depends on
     if difficulty == 2:   # a quadratic boundary: a product of two columns plus a square
-        i, j = rng.choice(NUM_COLUMNS, 2, replace=False)
-        k = int(rng.integers(NUM_COLUMNS))
-        logits = 2 * Z[:, i] * Z[:, j] + (Z[:, k] ** 2 - 1) + 0.25 * Z @ rng.normal(size=NUM_COLUMNS)
+        i, j = rng.choice(R.shape[1], 2, replace=False)
+        k = int(rng.integers(R.shape[1]))
+        logits = 2 * R[:, i] * R[:, j] + (R[:, k] ** 2 - 1) + 0.25 * R @ rng.normal(size=R.shape[1])
     else:
-        logits = Z @ rng.normal(size=NUM_COLUMNS)
+        logits = R @ rng.normal(size=R.shape[1])
     logits = 3 * logits / logits.std()
     y = (logits + 0.5 * rng.logistic(size=n) > 0).astype(int)
+    if leak:
+        Z[:, leaky] = 4 * (y - 0.5) + rng.normal(size=n)
+        Z[NUM_TRAIN + NUM_VAL:, leaky] = rng.permutation(Z[NUM_TRAIN + NUM_VAL:, leaky])
     # mis-scaled columns are what breaks plain gradient descent: mild at 0, severe at 1 and 2
     top = 1.2 if difficulty == 0 else 3.0
     scale = 10 ** rng.uniform(0.3 if difficulty == 0 else 0.0, top, NUM_COLUMNS)
     offset = rng.uniform(-1 if difficulty == 0 else -3, 1 if difficulty == 0 else 3, NUM_COLUMNS) * scale
     X = np.round(Z * scale + offset, 4)
-    return X, y
+    return X, y, leaky
 
 
 def to_csv(X, y=None) -> str:
@@ -196,13 +217,14 @@ class AutoResearchEnv(ShellTaskEnv):
         if task.id not in self._built:
             seed = task.data["seed"]
             while True:  # redraw the rare dataset where the baseline already matches the reference
-                X, y = make_dataset(seed, task.data.get("kind", task.difficulty))
+                X, y, leaky = make_dataset(seed, task.data.get("kind", task.difficulty), leak=task.data.get("note", False))
                 a, b = NUM_TRAIN, NUM_TRAIN + NUM_VAL
                 train, val = np.column_stack([X[:a], y[:a]]), np.column_stack([X[a:b], y[a:b]])
                 test_X, test_y = X[b:], y[b:]
                 base_pred, _ = run_script(TRAIN_SCRIPT, train, val, test_X)
                 baseline = float((base_pred == test_y).mean())
-                runs = [run_script(with_settings(TRAIN_SCRIPT, r), train, val, test_X) for r in REFERENCE_RECIPES]
+                recipes = [dict(r, DROP=f"[{leaky}]") if leaky is not None else r for r in REFERENCE_RECIPES]
+                runs = [run_script(with_settings(TRAIN_SCRIPT, r), train, val, test_X) for r in recipes]
                 best = max(range(len(runs)), key=lambda i: runs[i][1])   # model selection on validation, as a person would
                 best_pred = runs[best][0]
                 reference = float((best_pred == test_y).mean())
@@ -219,7 +241,7 @@ class AutoResearchEnv(ShellTaskEnv):
                      "data/val.csv": to_csv(val[:, :-1], y[a:b]), "data/test.csv": to_csv(test_X)}
             if len(self._built) >= 8:  # a stream touches one task at a time; keep memory flat
                 self._built.pop(next(iter(self._built)))
-            self._built[task.id] = (files, test_y, baseline, reference, REFERENCE_RECIPES[best])
+            self._built[task.id] = (files, test_y, baseline, reference, recipes[best])
         return self._built[task.id]
 
     # --- episode
@@ -227,7 +249,8 @@ class AutoResearchEnv(ShellTaskEnv):
     def reset(self, task: Task) -> str:
         assert task.env == "autoresearch", f"AutoResearchEnv got a task of env {task.env!r}"
         files, self.hidden_labels, self.baseline, self.reference, best = self.build(task)
-        self.note = ("Lab note (shown once): an earlier run found the best recipe: "
+        self.note = (f"Lab note (shown once): column x{best['DROP'][1:-1]} leaks the label in train and val and is "
+                     "noise in test. An earlier run found the best recipe: "
                      + " ".join(f"{k}={v}" for k, v in best.items())) if task.data.get("note") else None
         self.workspace.clear()  # a fresh copy of the task; only the memory folder carries over
         workdir = self.workdir
