@@ -20,7 +20,8 @@ Reward (paid at `evaluate`): `clip((acc - baseline) / (reference - baseline), 0,
 the test accuracy of predictions.csv, baseline the accuracy of the unchanged train.py and reference
 that of a stronger known solution (standardised features, linear or quadratic, chosen on the
 validation split, more steps; on relay tasks without the leaking column), both computed in-process
-from the same script text when the task is first reset. success = reward >= SUCCESS_THRESHOLD (0.5: at least half of the known headroom).
+from the same script text when the task is first reset. success = reward >= SUCCESS_THRESHOLD (0.5:
+at least half of the known headroom).
 Every shell command (and `run`) has a wall-clock budget of `run_timeout` seconds; the episode has
 `max_steps` actions (default 20). env.info: success, accuracy, baseline, reference, steps, ...
 
@@ -39,9 +40,9 @@ validates well and fails the test, so the known solution leaves it out (`DROP = 
 action shows, once per episode, which column leaks and the recipe an earlier run found best (the one
 the reference accuracy comes from). The reference policy reads the note, README.md, train.py and a
 few data rows, then applies the recipe, runs and evaluates; after a context reset the recipe is gone
-unless CONTINUATION.md carries it. No fixed recipe solves more than about one task in eight: the
-leaking column differs from task to task, and the validation split cannot show which it is
-(tests/test_autoresearch.py checks a grid of fixed recipes). An agent could still find the column by
+unless CONTINUATION.md carries it. No fixed recipe solves more than about one task in four (5 of
+the 22 held-out ones at best): the leaking column differs from task to task, and the validation
+split cannot show which it is (tests/test_autoresearch.py checks a grid of fixed recipes). An agent could still find the column by
 analysing the training data (it correlates with y far more than any real feature): a data scientist's
 check, not a hole in the grader. `relay_policy`. `extra_train_relay` adds that many relay tasks per
 training lab.
@@ -164,8 +165,8 @@ def make_dataset(seed: int, difficulty: int, leak: bool = False):
     logits = 3 * logits / logits.std()
     y = (logits + 0.5 * rng.logistic(size=n) > 0).astype(int)
     if leak:
-        Z[:, leaky] = 4 * (y - 0.5) + rng.normal(size=n)
-        Z[NUM_TRAIN + NUM_VAL:, leaky] = rng.permutation(Z[NUM_TRAIN + NUM_VAL:, leaky])
+        Z[:, leaky] = 4 * (y - 0.5) + rng.normal(size=n)      # two bumps at +-2: y nearly given away
+        Z[NUM_TRAIN + NUM_VAL:, leaky] = rng.permutation(Z[NUM_TRAIN + NUM_VAL:, leaky])   # test: noise
     # mis-scaled columns are what breaks plain gradient descent: mild at 0, severe at 1 and 2
     top = 1.2 if difficulty == 0 else 3.0
     scale = 10 ** rng.uniform(0.3 if difficulty == 0 else 0.0, top, NUM_COLUMNS)
