@@ -71,6 +71,18 @@ def stone_text(bits: int) -> str:
     return " ".join(FEATURES[i][bits >> i & 1] for i in range(3))
 
 
+def effect_text(after: int, before: int, colour: str, value: int, sid: int) -> str:
+    """What an apply shows, in the words a note uses (perceptual bits): the feature value the potion gave
+    right before its colour ("large pink"), so copying it into memory writes the note "- large pink",
+    and the stone's new look ("best ..." once it is worth +15, the note for the best stone)."""
+    if after == before:
+        return "no effect."
+    axis = (after ^ before).bit_length() - 1
+    gained = FEATURES[axis][after >> axis & 1]
+    best = f", best {stone_text(after)}" if value == 15 else ""
+    return f"{gained} {colour}. s{sid} is now {stone_text(after)} (value {value:+d}){best}."
+
+
 def move(vertex: int, axis: int, bit: int, edges) -> int:
     """Where a potion pushing `axis` towards `bit` takes a stone (unchanged if blocked or already there)."""
     if (vertex >> axis & 1) == bit or (vertex & ~(1 << axis), axis) not in edges:
@@ -210,20 +222,21 @@ def make_task(seed, world_index, world, split, difficulty, index, tasks_per_leve
 
 # --- text protocol ------------------------------------------------------------------------------
 
-_ACTION_FORMS = (
-    ("apply", re.compile(r"apply\s+(?:potion\s+)?p?(\d+)\s+(?:to\s+|on\s+)?(?:stone\s+)?s?(\d+)")),
+_ACTION_FORMS = (   # a potion is named by its id (p3) or by its colour (pink: the first potion of that colour)
+    ("apply", re.compile(r"apply\s+(?:potion\s+)?(p?\d+|" + "|".join(COLOURS) + r")\s+(?:to\s+|on\s+)?(?:stone\s+)?s?(\d+)")),
     ("cauldron", re.compile(r"(?:cauldron|put)\s+(?:stone\s+)?s?(\d+)(?:\s+in(?:to)?\s+(?:the\s+)?cauldron)?")),
     ("end", re.compile(r"end(?:\s+(?:the\s+)?trial)?")),
 )
 
 
 def parse_action(text: str):
-    """'apply p1 s2' -> ('apply', (1, 2)); 'cauldron s2' -> ('cauldron', (2,)); 'end'; else None."""
+    """'apply p1 s2' -> ('apply', (1, 2)); 'apply pink s2' -> ('apply', ('pink', 2)); 'cauldron s2' ->
+    ('cauldron', (2,)); 'end'; else None."""
     text = " ".join(str(text).lower().replace(",", " ").split()).rstrip(".")
     for kind, pattern in _ACTION_FORMS:
         m = pattern.fullmatch(text)
         if m:
-            return kind, tuple(int(g) for g in m.groups())
+            return kind, tuple(g if g in COLOURS else int(g.lstrip("p")) for g in m.groups())
     return None
 
 
@@ -332,11 +345,17 @@ class AlchemyEnv:
         self._steps_left -= 1  # an invalid action still uses a step
         parsed, reward = parse_action(action), 0.0
         kind, args = parsed if parsed else (None, ())
+        if kind == "apply" and isinstance(args[0], str):      # by colour: the first potion of that colour
+            ids = [p for p, c in self._potions.items() if COLOURS[c] == args[0]]
+            if not ids:
+                kind, result = None, f"There is no {args[0]} potion."
+            else:
+                args = (ids[0], args[1])
         if kind == "apply" and args[0] not in self._potions:
             kind, result = None, f"There is no potion p{args[0]}."
         elif kind in ("apply", "cauldron") and args[-1] not in self._stones:
             kind, result = None, f"There is no stone s{args[-1]}."
-        elif kind is None:
+        elif parsed is None:
             result = f"Invalid action {str(action)[:40]!r}."
         if kind is None:
             result += " " + VALID_FORMS
@@ -345,16 +364,17 @@ class AlchemyEnv:
             p, s = args
             colour, before = self._potions.pop(p), self._stones[s]
             self._stones[s] = after = self._chem.apply(before, colour)
-            outcome = "no effect." if after == before else \
-                f"s{s} became {stone_text(after ^ self._chem.flips)} (value {stone_value(after):+d})."
-            result = f"p{p} {COLOURS[colour]} on s{s}: {outcome}"
+            result = f"p{p} {COLOURS[colour]} on s{s}: " + effect_text(after ^ self._chem.flips, before ^ self._chem.flips,
+                                                                       COLOURS[colour], stone_value(after), s)
         elif kind == "cauldron":
-            value = stone_value(self._stones.pop(args[0]))
+            latent = self._stones.pop(args[0])
+            value = stone_value(latent)
             old = self._score()
             self._value += value
             self._trial_value += value
             reward = self._score() - old
-            result = f"s{args[0]} into the cauldron: value {value:+d}."
+            result = f"s{args[0]} into the cauldron: value {value:+d}" + (
+                f", best {stone_text(latent ^ self._chem.flips)}." if value == 15 else ".")
         else:
             result = "You end the trial."
         self.info.update(value=self._value, score=self._score())
@@ -591,15 +611,16 @@ def _parse_stone_text(text: str):
 
 
 def format_notes(knowledge: dict) -> str:
-    """Knowledge dict -> memory lines that `parse_notes` reads back (and a model can imitate)."""
-    lines = [f"- Potion {c} makes a stone {v}." for c, v in (knowledge.get("potions") or {}).items()]
+    """Knowledge dict -> memory lines that `parse_notes` reads back (and a model can imitate). Key-adjacent
+    wording: each line puts the word an actor looks up right before the word it needs, "- large pink"
+    (the potion that makes a stone large is pink), "- best large purple pointy" (the +15 stone)."""
+    lines = [f"- {v} {c}" for c, v in (knowledge.get("potions") or {}).items()]
     good = knowledge.get("good") or {}
     if len(good) == 3:
-        best = " ".join(good[name] for name in FEATURE_NAMES)
-        lines.append(f"- Best stone: {best} (value +15).")
+        lines.append("- best " + " ".join(good[name] for name in FEATURE_NAMES))
     elif good:
-        lines.append(f"- Good features: {', '.join(good[n] for n in FEATURE_NAMES if n in good)}.")
-    lines += [f"- Blocked: {edge}." for edge in knowledge.get("blocked") or []]
+        lines.append(f"- good features: {', '.join(good[n] for n in FEATURE_NAMES if n in good)}")
+    lines += [f"- blocked: {edge}" for edge in knowledge.get("blocked") or []]
     return "\n".join(lines)
 
 
@@ -634,19 +655,66 @@ def stream_notes(env: "AlchemyEnv", tasks) -> list:
     return notes
 
 
+_WORDS = {w: (f, b) for f, pair in enumerate(FEATURES) for b, w in enumerate(pair)}
+# "large pink": a feature value right before a potion colour states an effect (stone words never name a
+# potion colour, so the pair means nothing else); "Potion pink makes a stone large" is the older wording
+_EFFECT = re.compile(r"\b(" + "|".join(_WORDS) + r") (" + "|".join(COLOURS) + r")\b")
+_EFFECT_OLD = re.compile(r"potion (\w+) makes (?:a |the )?stones? (\w+)")
+
+
 def parse_notes(text: str) -> dict:
-    """Memory text -> knowledge dict. Lenient: lines it cannot read are ignored, never an error."""
+    """Memory text -> knowledge dict. Lenient: lines it cannot read are ignored, never an error. A later
+    statement about a colour wins over an earlier one."""
     text = str(text).lower()
-    words = {w: (f, b) for f, pair in enumerate(FEATURES) for b, w in enumerate(pair)}
-    potions = {c: v for c, v in re.findall(r"potion (\w+) makes (?:a |the )?stones? (\w+)", text)
-               if c in COLOURS and v in words}
+    potions = {c: v for c, v in _EFFECT_OLD.findall(text) if c in COLOURS and v in _WORDS}
+    potions.update({c: v for v, c in _EFFECT.findall(text)})
     good = {}
-    for m in re.finditer(r"(?:best stone|good features?)\s*:?\s*([a-z ,]+)", text):
+    for m in re.finditer(r"(?:best stone|best|good features?)\s*:?\s*([a-z ,]+)", text):
         for w in re.split(r"[ ,]+", m.group(1)):
-            if w in words:
-                good[FEATURE_NAMES[words[w][0]]] = w
+            if w in _WORDS:
+                good[FEATURE_NAMES[_WORDS[w][0]]] = w
     blocked = [f"{a} <-> {b}" for a, b in re.findall(r"blocked\s*:?\s*(\w+ \w+ \w+)\s*<->\s*(\w+ \w+ \w+)", text)]
     return {"potions": potions, "good": good, "blocked": blocked}
+
+
+def note_action(needs: dict, best, stones: dict, potions: set):
+    """The note reader's move (a protocol, no chemistry): the thought and action of an actor that acts on
+    its notes, or None when the notes do not say what to do.
+      needs:   feature word -> potion colour, as the notes state them ("- large pink": large -> pink);
+      best:    the +15 stone's three words from the notes ("- best large purple pointy"), or None;
+      stones:  id -> (three words, value) as the observation shows them; potions: the colours on the table.
+    A +15 stone goes into the cauldron. Otherwise the most valuable stone below +15 (lowest id on ties)
+    needs the best stone's word where they first differ; if the notes name a colour for that word and
+    such a potion is on the table: "need large pink <action>apply pink s1</action>". The thought names the
+    key right before the value, so the lookup is a copy of the token after the key in the notes."""
+    for sid, (_, value) in sorted(stones.items()):
+        if value == 15:
+            return f"<action>cauldron s{sid}</action>"
+    if best is None or not stones:
+        return None
+    sid, (words, _) = max(sorted(stones.items()), key=lambda kv: kv[1][1])
+    lacking = [b for w, b in zip(words, best) if w != b]
+    if not lacking:
+        return None
+    colour = needs.get(lacking[0])
+    if colour is None or colour not in potions:
+        return None
+    return f"need {lacking[0]} {colour} <action>apply {colour} s{sid}</action>"
+
+
+def note_reader_reply(memory: str, obs: str):
+    """note_action on Alchemy's words: the notes parsed from memory, the state from the observation."""
+    state = parse_observation(obs)
+    if state is None:
+        return None
+    notes = parse_notes(memory)
+    needs = {}
+    for colour, value in notes["potions"].items():
+        needs.setdefault(value, colour)
+    good = notes["good"]
+    best = tuple(good[n] for n in FEATURE_NAMES) if len(good) == 3 else None
+    stones = {sid: (stone_text(bits).split(), value) for sid, (bits, value) in state["stones"].items()}
+    return note_action(needs, best, stones, {COLOURS[c] for c in state["potions"].values()})
 
 
 def true_potions(data: dict) -> dict:

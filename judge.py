@@ -250,6 +250,11 @@ def openai_complete(base_url, model, api_key_env="OPENAI_API_KEY", timeout=60.0,
 WORLD_TERMS = frozenset(("red", "green", "orange", "cyan", "yellow", "pink",
                          "small", "large", "blue", "purple", "round", "pointy"))
 WORLD_OBJECTS = re.compile(r"\b(?:potion|stone)s?\b")
+# Alchemy's key-adjacent notes (alchemy.format_notes): "large pink" (pink makes a stone large) and "best
+# large purple pointy". Their grammar is the relation between the terms, so each is a statement, not a
+# list of terms (tests check these words against alchemy's)
+_FEATURE_WORDS = "(?:small|large|blue|purple|round|pointy)"
+_NOTE = re.compile(rf"{_FEATURE_WORDS} (?:red|green|orange|cyan|yellow|pink)|best(?: {_FEATURE_WORDS}){{3}}")
 _CODE = re.compile(r"`([^`\n]+)`")
 _SPECIFIC = [
     re.compile(r"(?<![\w/.])/?(?:[\w.~-]+/)+[\w.-]*"),                # paths: src/a.py, tests/
@@ -367,6 +372,8 @@ def _measure(raw):
             anchor_tokens.add(bare)
         elif tok in _RELATION_SYMBOLS or re.fullmatch(r"[a-z]+(?:'[a-z]+)?", bare):
             plain += 1
+    if _NOTE.fullmatch(low.strip(" .")):
+        plain = max(plain, 2)                               # a note's grammar relates its terms
     line = _Line(key=_fact_key(raw), anchors=anchors, words=words, plain=plain,
                  cue=bool(_CUES.search(low)), target=bool(_TARGET.search(low)))
     # the cheap shapes, in order; each is defined on the line alone

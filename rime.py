@@ -16,11 +16,13 @@ The loop, per RL step:
      s[t-K+1..t]) + 0.1 * gate, GRPO over the group at (stream, t); the last memory is dropped;
   4. one PPO step on both roles' tokens with the shared weights.
 
-Before RL, a warm start (`ppo.sft_loss` in the same learner) teaches a small model the protocol. By
-default (--warmstart-mode protocol) it teaches only what a pretrained chat model already knows: the
-action syntax (a random valid actor) and the memory's two-section shape (lines quoted at random from
-the trajectory, generic lessons), no task knowledge; --warmstart-mode imitation imitates the scripted
-reference actor and writer, content included. It stops when held-out format validity reaches
+The laptop model starts as a reader: pretrain.py taught it in-context lookup on synthetic random data
+(notes read and acted on; no fact of any world), and its reading ladder is logged before anything else.
+Then a warm start (`ppo.sft_loss` in the same learner) teaches the protocol. By default
+(--warmstart-mode protocol) it teaches only what a pretrained chat model already knows: the action
+syntax (the protocol actor: it acts on what its memory says, else picks a valid action at random) and
+the memory's two-section shape (lines quoted at random from the trajectory, generic lessons), no task
+knowledge; --warmstart-mode imitation imitates the scripted reference actor and writer, content included. It stops when held-out format validity reaches
 `warmstart_threshold`, and is skipped when the model already follows the protocol.
 
 Evaluation: `eval_streams` held-out 3+3 streams over the test worlds (never a training world), with
@@ -36,9 +38,10 @@ Ablations (the paper's table): --no-explore, --writer frozen|decoupled, --actor 
 shuffled, --segment 6, --beta / --explore-mode reward --lam, --k, --judge heuristic|local|openai;
 `python bench.py ablations` trains and evaluates them with 3 seeds each.
 
-Departures from the paper, on purpose: the laptop preset uses a 1.7M-parameter Qwen3 built by tiny()
-and warm-started from random weights (SmolLM2-135M generates ~40 tok/s here, too slow for RL on a
-laptop: `--model smollm2` runs it), one Alchemy trial per task, groups of 4 instead of 8, 3+3
+Departures from the paper, on purpose: the laptop preset uses a 1.7M-parameter Qwen3 pretrained here
+to read (pretrain.py; `--model scratch` is the same model without it), not a pretrained LLM
+(SmolLM2-135M generates ~40 tok/s here, too slow for RL on a laptop: `--model smollm2` runs it), one
+Alchemy trial per task, groups of 4 instead of 8, 3+3
 streams and short episodes. The README gives its wall time and figures. Ranks split the streams and
 run whole groups each, so group statistics never cross ranks; rank 0 evaluates and writes files.
 """
@@ -73,7 +76,7 @@ from ppo import Learner, checkpoint_path, init_distributed, is_rank0, make_batch
 class Args:
     """RIME training. Defaults are the laptop preset; `--preset paper` sets the paper's values."""
     preset: str = "laptop"           # laptop | paper (paper: groups of 8, 6+6 streams, lr 1e-6, 40 turns, 2048-token memory)
-    model: str = "small"             # small (a 1.7M Qwen3 from tiny(), warm-started) | tiny (smoke) | smollm2 | HF checkpoint dir
+    model: str = "small"             # small (the 1.7M reader of pretrain.py) | scratch (same model, no pretraining) | tiny (smoke) | smollm2 | HF dir
     env: str = "alchemy"             # alchemy | codebase
     run_dir: str = "runs/rime"       # config, metrics.jsonl, memories/, checkpoints; resumed if it exists
     resume: bool = True              # resume from run_dir's last checkpoint when there is one
@@ -147,8 +150,8 @@ class Args:
         check = cli.check
         check(self.preset in ("laptop", "paper"), f"--preset must be laptop or paper, got {self.preset!r}")
         check(self.env in ("alchemy", "codebase"), f"--env must be alchemy or codebase (RIME's domains), got {self.env!r}")
-        if self.model not in ("small", "tiny", "smollm2"):
-            check(os.path.isdir(self.model), f"--model {self.model!r}: not 'small', 'tiny', 'smollm2' or an existing checkpoint directory")
+        if self.model not in ("small", "scratch", "tiny", "smollm2"):
+            check(os.path.isdir(self.model), f"--model {self.model!r}: not 'small', 'scratch', 'tiny', 'smollm2' or an existing checkpoint directory")
             cli.check_model_dir(self.model)
         check(self.k >= 1, f"--k must be >= 1, got {self.k}")
         check(self.group_size >= 2, f"--group-size must be >= 2 for group baselines, got {self.group_size}")
@@ -198,14 +201,14 @@ def parse_args(argv=None) -> Args:
 
 
 def load_model(name: str, seed: int):
-    """model.load_named, plus RIME's laptop model "small"."""
-    if name == "small":     # big enough to learn the Alchemy protocol by imitation in minutes on 2 cores;
-        # Qwen3 rather than Qwen3.5: the DeltaNet's chunked rule in plain PyTorch trains ~2.3x slower on CPU.
-        # Its BPE also learns merges from Alchemy text, so an observation takes ~half the tokens.
-        from model import build_tokenizer
-        tok = build_tokenizer(2048, extra_text=_domain_text())
-        return tiny("qwen3", seed=seed, tokenizer=tok, hidden_size=192, num_layers=4, intermediate_size=512,
-                    max_seq_len=8192)
+    """model.load_named, plus RIME's laptop models: "small" is the reader (pretrain.py: a 1.7M Qwen3 with
+    its own BPE, pretrained on synthetic reading data; shipped in weights/reader, one set of weights for
+    every seed), "scratch" the same model with seeded random weights (the no-pretraining baseline)."""
+    import pretrain
+    if name == "small":     # Qwen3 rather than Qwen3.5: the DeltaNet's chunked rule in plain PyTorch trains ~2.3x slower on CPU
+        return pretrain.load_reader()
+    if name == "scratch":
+        return pretrain.new_model(seed)
     return load_named(name, seed, max_seq_len=8192)
 
 
@@ -216,19 +219,6 @@ def make_env(args: Args):
         return envs.make(args.env)
     return envs.make("alchemy", num_train_worlds=args.train_worlds,
                      **({"num_trials": 1} if args.preset == "laptop" else {}))
-
-
-def _domain_text() -> str:
-    """Deterministic sample of what the small model will read and write: scripted Alchemy episodes
-    (observations, actions, memories) and the role prompts; the tokenizer's merges are trained on it."""
-    from alchemy import memory_text
-    env = envs.make("alchemy", num_trials=1, seed=99)
-    parts = [rollout.ACTOR_SYSTEM, rollout.WRITER_SYSTEM, rollout.MEMORY_HEADER]
-    for task in env.tasks("train")[::9][:40]:
-        policy = env.reference_policy(task)
-        parts += rollout.scripted_text(env, task, policy)
-        parts.append(memory_text(policy.knowledge, task.id, env.info.get("score", 0.0)))
-    return "\n".join(parts)
 
 
 def make_judge(args: Args, tokenizer):
@@ -491,7 +481,7 @@ def setup(args: Args) -> Run:
     are rebuilt from <run>/warmstart (or the initial weights when no warm start ran), never from the
     resumed RL policy; a decoupled writer's learner has its own checkpoint."""
     d = init_distributed()
-    if d.device.type == "cpu" and (args.threads or args.model in ("tiny", "small")):
+    if d.device.type == "cpu" and (args.threads or args.model in ("tiny", "small", "scratch")):
         torch.set_num_threads(args.threads or 1)
     torch.manual_seed(args.seed + d.rank)
     random.seed(args.seed + d.rank)
@@ -522,6 +512,11 @@ def setup(args: Args) -> Run:
 def warm_start_phase(run: Run) -> None:
     """Warm start (fresh runs only), then the writers, then the resume of every learner."""
     args, learner = run.args, run.learner
+    if not run.resuming and args.model in ("small", "scratch") and run.d.is_main:
+        import pretrain     # the reading ladder of the weights RL will start from (pretrain.py --check)
+        ladder = pretrain.ladder(learner.gen_model, run.tokenizer, num_items=64)
+        run.log({"phase": "ladder", **{k: v["accuracy"] for k, v in ladder.items()}})
+        print0("reading ladder before the warm start (64 held-out items per rung):\n" + pretrain.ladder_table(ladder, 0.9))
     if not run.resuming:
         run.state["warm"] = warmstart.warm_start(learner, run.tokenizer, run.env, args, run.log) if args.warmstart_steps else {}
         if run.state["warm"].get("steps"):

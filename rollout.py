@@ -290,8 +290,9 @@ def greedy_actions(model, tokenizer, contexts, max_new_tokens: int) -> list:
 
 def run_scripted(tokenizer, env, tasks, policies, memory="", *, max_turns=None,
                  context_budget=1 << 30, system_prompt=ACTOR_SYSTEM, num_threads=8, enable_thinking=False):
-    """The same loop with scripted agents (callables obs -> action, e.g. env.reference_policy) in
-    place of the model. Each reply is rendered as `<action>...</action>` plus the end-of-turn token
+    """The same loop with scripted agents (callables obs -> action, e.g. env.reference_policy, or obs ->
+    a whole reply holding its `<action>` tag) in place of the model. A bare action is rendered as
+    `<action>...</action>`; each reply ends with the end-of-turn token
     (ChatFormat.scripted_reply), with loss mask 1 and logprob 0.0: exactly the rows a warm start
     imitates, and the scripted rows of the benchmark."""
     fmt = ChatFormat(tokenizer, enable_thinking)
@@ -302,7 +303,8 @@ def run_scripted(tokenizer, env, tasks, policies, memory="", *, max_turns=None,
     def replies(live_eps, step):
         out = []
         for i in sorted(last_obs):
-            ids = fmt.scripted_reply(f"<action>{policies[i](last_obs[i])}</action>")
+            reply = policies[i](last_obs[i])      # a bare action, or a whole reply with its <action> tag
+            ids = fmt.scripted_reply(reply if "<action>" in reply else f"<action>{reply}</action>")
             out.append((ids, [0.0] * len(ids), True))
         return out
     return agent_loop(fmt, replies, env, tasks, memory, max_turns=max_turns, max_new_tokens=64,

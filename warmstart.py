@@ -3,10 +3,10 @@
     stats = warm_start(learner, tokenizer, env, args, log)     # rime.py's warm_start_phase calls it
 
 Two modes (rime.py --warmstart-mode):
-  protocol  (default): only what a pretrained chat model already knows. The actor rows come from a
-            random valid actor (the action syntax), the writer rows from memories in the two-section
-            shape that quote random outcome lines and generic lessons: no task knowledge, so RL has
-            to teach the content;
+  protocol  (default): only what a pretrained chat model already knows. The actor rows come from the
+            protocol actor (the action syntax; it acts on what its memory says, else at random), the
+            writer rows from memories in the two-section shape that quote random outcome lines and
+            generic lessons: no task knowledge, so RL has to teach the content;
   imitation: the scripted reference actor (env.reference_policy, reading its notes) and the
             scripted writer's memory (alchemy.memory_text of what it inferred): content included.
 Rows are rendered exactly as rollouts are (rollout.run_scripted, rollout.writer_prompt), so the
@@ -43,6 +43,19 @@ def random_valid_policy(rng: random.Random):
         options = [f"apply p{p} s{s}" for p in state["potions"] for s in state["stones"]]
         options += [f"cauldron s{s}" for s in state["stones"]] + ["end"]
         return rng.choice(options)
+    return act
+
+
+def protocol_policy(rng: random.Random, memory: str):
+    """The protocol actor: where its memory says what to do, it does that (alchemy.note_reader_reply,
+    the reading the pretraining taught: "need large pink <action>apply pink s1</action>"), whether the
+    memory is true or not; elsewhere a random valid action. It knows no chemistry: a memory of random
+    quotes rarely decides anything, so most of its moves are random."""
+    from alchemy import note_reader_reply
+    explore = random_valid_policy(rng)
+
+    def act(obs: str) -> str:
+        return note_reader_reply(memory, obs) or explore(obs)
     return act
 
 
@@ -89,7 +102,7 @@ def scripted_play(tokenizer, env, streams, args):
         if args.warmstart_mode == "imitation":
             pols = [env.reference_policy(task, notes=m or None) for task, m in zip(ts, memories)]
         else:
-            pols = [random_valid_policy(rng) for _ in ts]
+            pols = [protocol_policy(rng, m) for m in memories]
         eps = rollout.run_scripted(tokenizer, envs_, ts, pols, memory=memories)
         for i, (ep, pol) in enumerate(zip(eps, pols)):
             new = (memory_text(pol.knowledge, ep.task.id, ep.score) if args.warmstart_mode == "imitation"
@@ -130,6 +143,7 @@ def reference_match(model, tokenizer, env, streams, args) -> dict:
         hits = {"match": guess == action}
         if kind == "apply" and state:
             hits.update(_apply_hits(action, guess, state))
+            hits["match"] = hits["colour"] and hits["stone"]     # potions of one colour are interchangeable
         for k in (key, f"{key}/{kind}"):
             c = counts.setdefault(k, {"actions": 0})
             c["actions"] += 1
@@ -142,13 +156,21 @@ def reference_match(model, tokenizer, env, streams, args) -> dict:
 def _apply_hits(action: str, guess: str, state: dict) -> dict:
     """The parts of a reference's `apply P S` that the actor's action gets right: a potion of the same
     colour (any of them) and the same stone, and what a uniform pick gets (whole action, colour, stone)."""
-    p, s = map(int, re.fullmatch(r"apply p(\d+) s(\d+)", action).groups())
-    g = re.fullmatch(r"apply p(\d+) s(\d+)", guess)
-    colour, potions, stones = state["potions"].get(p), state["potions"], state["stones"]
+    from alchemy import COLOURS, parse_action
+    potions, stones = state["potions"], state["stones"]
+
+    def colour_and_stone(text):     # a potion named by id (p3) or by colour (pink)
+        parsed = parse_action(text)
+        if not parsed or parsed[0] != "apply":
+            return None, None
+        p, s = parsed[1]
+        return (COLOURS.index(p) if isinstance(p, str) else potions.get(p)), s
+    colour, s = colour_and_stone(action)
+    g_colour, g_stone = colour_and_stone(guess)
     return {"chance": 1 / (len(potions) * len(stones)),
-            "colour": bool(g) and potions.get(int(g.group(1))) == colour,
+            "colour": g_colour is not None and g_colour == colour,
             "colour_chance": sum(c == colour for c in potions.values()) / len(potions),
-            "stone": bool(g) and int(g.group(2)) == s, "stone_chance": 1 / len(stones)}
+            "stone": g_stone == s, "stone_chance": 1 / len(stones)}
 
 
 def _spans(mask) -> list:

@@ -8,7 +8,7 @@ import pytest
 
 import envs
 from alchemy import (ALL_EDGES, COLOURS, AlchemyEnv, FEATURE_NAMES, FEATURES, LEVELS, Chemistry, chemistry_of,
-                     format_notes, oracle_policy, parse_action, parse_notes, parse_observation, stone_text,
+                     format_notes, note_reader_reply, oracle_policy, parse_action, parse_notes, parse_observation, stone_text,
                      stone_value, trial_optimum)
 from envs import Task
 
@@ -81,12 +81,13 @@ def test_step_by_step_hand_example(env):
                         "s2 large blue round (value -3)\nPotions: p1 red, p2 yellow\n"
                         "Actions: apply P S | cauldron S | end")
     obs, reward, done = env.step("apply p1 s1")
-    assert obs.startswith("p1 red on s1: s1 became small purple pointy (value +15).")
+    # the effect in a note's own words ("small red": red makes a stone small), then the stone's new look
+    assert obs.startswith("p1 red on s1: small red. s1 is now small purple pointy (value +15), best small purple pointy.")
     assert (reward, done) == (0.0, False)
     obs, reward, done = env.step("apply p2 s1")     # yellow: latent axis 2 towards +1, already there
     assert obs.startswith("p2 yellow on s1: no effect.") and "Potions: none" in obs
     obs, reward, done = env.step("cauldron s1")
-    assert obs.startswith("s1 into the cauldron: value +15.") and not done
+    assert obs.startswith("s1 into the cauldron: value +15, best small purple pointy.") and not done
     assert reward == pytest.approx(1.0)              # +15 is this trial's optimum
     obs, reward, done = env.step("end")
     assert done and "score 1.00" in obs and env.info["value"] == env.info["optimal"] == 15
@@ -103,7 +104,7 @@ def test_blocked_edge_in_env_and_detour_is_optimal(env):
     score, _ = play(env, task, oracle_policy(env))
     assert score == 1.0
     obs = env.reset(hand_task(stones=[0b110], potions=[RED], difficulty=0))  # all 12 edges
-    assert env.step("apply p1 s1")[0].startswith("p1 red on s1: s1 became large purple pointy (value +15).")
+    assert env.step("apply p1 s1")[0].startswith("p1 red on s1: large red. s1 is now large purple pointy (value +15)")
 
 
 def test_negative_stone_gives_negative_reward_and_rewards_sum_to_score(env):
@@ -348,3 +349,42 @@ def test_tasks_are_made_once_per_config_and_handed_out_as_copies():
     first.clear()
     assert len(a.tasks("test")) == 4 * 6 * 6
     assert AlchemyEnv(num_trials=2).tasks("test")[0].data != a.tasks("test")[0].data
+
+
+# --- the words memory hops use (key-adjacent notes, colour-named applies, the note reader) -----------
+
+def test_a_potion_can_be_named_by_colour(env):
+    # size axis reversed: latent 110 shows as large purple pointy; red (first of its pair) sets latent size +1
+    obs = env.reset(hand_task(stones=[0b110], potions=[YELLOW, RED, RED], flips=1))
+    obs, _, _ = env.step("apply red s1")               # the first red potion: p2
+    assert obs.startswith("p2 red on s1: small red.") and "Potions: p1 yellow, p3 red" in obs
+    obs, _, _ = env.step("apply pink s1")               # none on the table: invalid, a step used
+    assert obs.startswith("There is no pink potion.") and env.info["invalid"] == 1
+
+
+def test_notes_are_key_adjacent_and_read_back_in_both_wordings():
+    knowledge = {"potions": {"pink": "large", "red": "round"}, "good": dict(zip(FEATURE_NAMES, ("large", "purple", "pointy"))),
+                 "blocked": ["small blue round <-> large blue round"]}
+    notes = format_notes(knowledge)
+    assert notes.splitlines()[:3] == ["- large pink", "- round red", "- best large purple pointy"]
+    assert parse_notes(notes) == knowledge
+    old = "- Potion pink makes a stone large.\n- Best stone: large purple pointy (value +15)."
+    assert parse_notes(old)["potions"] == {"pink": "large"} and len(parse_notes(old)["good"]) == 3
+    # a quoted outcome line states its effect in the same words, and stone words never pose as one
+    quoted = "- p2 pink on s1: large pink. s1 is now large purple pointy (value +15), best large purple pointy."
+    assert parse_notes(quoted)["potions"] == {"pink": "large"} and parse_notes(quoted)["good"]["size"] == "large"
+
+
+def test_the_note_reader_acts_only_on_what_its_notes_decide():
+    obs = ("Trial 1 of 1, 20 steps left.\nStones: s1 small blue round (value -3); s2 small purple pointy (value +1)\n"
+           "Potions: p1 red, p2 pink, p3 pink\nActions: apply P S | cauldron S | end")
+    notes = "### Repository Knowledge\n- large pink\n- best large purple pointy"
+    # s2 is the most valuable stone; it lacks "large", and the notes say pink gives it
+    assert note_reader_reply(notes, obs) == "need large pink <action>apply pink s2</action>"
+    assert note_reader_reply("- best large purple pointy", obs) is None          # no note for "large"
+    assert note_reader_reply("- large pink", obs) is None                        # no best stone noted
+    assert note_reader_reply("- large green\n- best large purple pointy", obs) is None   # no green potion here
+    obs15 = obs.replace("s2 small purple pointy (value +1)", "s2 large purple pointy (value +15)")
+    assert note_reader_reply("", obs15) == "<action>cauldron s2</action>"
+    # the reader reads whatever the notes say: a false note is followed as faithfully as a true one
+    assert note_reader_reply("- large red\n- best large purple pointy", obs) == "need large red <action>apply red s2</action>"

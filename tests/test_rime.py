@@ -154,7 +154,7 @@ def test_train_worlds_reach_the_env_and_keep_its_test_worlds():
 
 @pytest.mark.parametrize("bad, msg", [
     (["--k", "0"], "--k must be >= 1"), (["--env", "nope"], "--env must be"),
-    (["--model", "/no/such/dir"], "not 'small', 'tiny'"), (["--threads", "-1"], "--threads must be >= 0"),
+    (["--model", "/no/such/dir"], "not 'small', 'scratch', 'tiny'"), (["--threads", "-1"], "--threads must be >= 0"),
     (["--checkpoint-every", "0"], "--checkpoint-every must be >= 1"), (["--lr", "0"], "--lr must be a number in (0"),
     (["--lr", "nan"], "--lr must be a number"), (["--temperature", "0"], "--temperature must be a number in (0"),
     (["--max-turns", "0"], "--max-turns must be >= 1"), (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
@@ -228,8 +228,8 @@ def test_rerun_gives_the_same_figures(smoke, tmp_path):
 def test_small_models_tokenizer_is_deterministic():
     """The laptop model's BPE is trained on Alchemy text at start-up: it must come out the same in
     every process (hash seeds differ between processes)."""
-    code = ("import hashlib, rime; from model import build_tokenizer; "
-            "t = build_tokenizer(2048, extra_text=rime._domain_text()); "
+    code = ("import hashlib, pretrain; from model import build_tokenizer; "
+            "t = build_tokenizer(pretrain.VOCAB_SIZE, extra_text=pretrain.domain_text()); "
             "print(hashlib.md5(t.backend_tokenizer.to_str().encode()).hexdigest())")
     outs = {_run([sys.executable, "-c", code], env_extra={"PYTHONHASHSEED": s}).stdout.split()[-1] for s in ("3", "4")}
     assert len(outs) == 1

@@ -1,0 +1,545 @@
+"""The laptop model learns to read before it meets a task: in-context lookup, from synthetic random data.
+
+    python pretrain.py            # build the reader once (~40 min on 2 cores) and cache it; rerun = reuse
+    python pretrain.py --check    # the reading ladder: accuracy per rung on held-out items, beside chance
+    python pretrain.py --where    # the reader's HF directory (weights + tokenizer; model.load / load_tokenizer)
+
+Why: memory helps only an agent that can find the fact its state needs in its notes. Pretrained chat
+models bring that lookup from pretraining (induction heads); a 1.7M model trained from scratch on task
+rows never forms it (measured: sparse single-question lookups stay at chance after 1,500 steps), while
+dense multi-query recall forms it in a few hundred steps, and the lookup then transfers to note lines.
+So the reader is trained here, like a downloaded checkpoint, on a curriculum of rungs:
+
+  recall        six key-value pairs of one-token words on a line, then every key again, values supervised
+  copy          a span of words repeated
+  lookup6/12    "- key value" note lines (6 or 12) under the memory header, then "need key" -> " value"
+  lookup_cap    the same inside a note at the laptop memory cap, among distractor lines in which the key
+                word is followed by other words (stone descriptions, quoted outcomes)
+  lookup_action the actor's chat context: notes + a state that names the key ("Goal: make s2 key.")
+                -> "need key value <action>apply value s2</action>"
+  hop           the actor's chat context on an Alchemy-shaped state: the notes' best stone, stones that
+                lack one of its words, the notes' "- word colour" lines -> the note reader's reply
+                (alchemy.note_action): "need large pink <action>apply pink s1</action>"
+
+Every word is drawn at random from the tokenizer's whole-word tokens and paired at random: no fact of
+any Alchemy world, task or answer appears (Alchemy's words are among thousands of pairings, never a
+world's). What the reader learns is to read notes it is given and act on what they say; what to write,
+when to explore and which facts to keep are left to RL (rime.py).
+
+The reader is a directory in Hugging Face format. `reader_dir()` is the shipped copy in the repository
+(weights/reader) when its recipe matches this file's, else the cache ($RIME_CACHE or .cache/reader/
+<recipe hash>), built on first use with a progress bar and ETA, checkpointed every 100 steps (a killed
+build resumes). metrics.jsonl and ladder.json sit beside the weights.
+
+Simplified on purpose: one fixed curriculum (phase weights below), Alchemy's words only in the hop rung's
+template; no packing (rows of one step are sorted by length into micro-batches instead).
+"""
+
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import cli
+
+REPO = Path(__file__).resolve().parent
+SHIPPED = REPO / "weights" / "reader"
+RECIPE_VERSION = 2          # bump when the data or the model changes: the cache key and the shipped check use it
+
+
+# -----------------------------------------------------------------------------
+# config
+
+
+@dataclass
+class Args:
+    """Build (or check) the reader. The defaults are the recipe of the shipped weights."""
+    steps: int = 3000            # at most this many optimizer steps (the curriculum ends earlier once mastered)
+    batch: int = 64              # items per step
+    lr: float = 3e-3             # AdamW peak learning rate (50 warm-up steps, cosine to 10%)
+    seed: int = 0
+    micro_tokens: int = 4096     # tokens per micro-batch (a step's items, sorted by length, padded per micro-batch)
+    checkpoint_every: int = 100  # steps between resumable checkpoints (out/partial.pt)
+    eval_items: int = 200        # held-out items per ladder rung
+    target: float = 0.9          # the ladder's bar for every rung the tasks use
+    out: str = ""                # build into this dir instead of the cache (e.g. weights/reader to ship it)
+    check: bool = False          # print the ladder of the reader (building it first if needed); exit 1 below target
+    where: bool = False          # print the reader's directory and exit
+    threads: int = 0             # CPU threads (0 = all cores)
+
+    def __post_init__(self):
+        for name in ("steps", "batch", "micro_tokens", "eval_items", "checkpoint_every"):
+            cli.check(getattr(self, name) >= 1, f"{cli.flag(name)} must be >= 1, got {getattr(self, name)}")
+        cli.check_number("lr", self.lr, lo=0, lo_open=True)
+        cli.check_number("target", self.target, lo=0)
+        cli.check(self.threads >= 0, f"--threads must be >= 0, got {self.threads}")
+
+
+def recipe(args: Args) -> dict:
+    """What decides the weights: the data version, the model's shape and the optimiser's settings (as
+    JSON reads them back, so a stored recipe compares equal)."""
+    return json.loads(json.dumps({"version": RECIPE_VERSION, "model": MODEL_SHAPE, "vocab": VOCAB_SIZE,
+                                  "steps": args.steps, "batch": args.batch, "lr": args.lr, "seed": args.seed,
+                                  "phases": PHASES, "gate_every": GATE_EVERY}))
+
+
+def recipe_key(args: Args) -> str:
+    return hashlib.sha256(json.dumps(recipe(args), sort_keys=True).encode()).hexdigest()[:12]
+
+
+# -----------------------------------------------------------------------------
+# the model and its tokenizer
+
+MODEL_SHAPE = dict(hidden_size=192, num_layers=4, intermediate_size=512, max_seq_len=8192)   # 1.7M parameters
+VOCAB_SIZE = 2048
+
+
+def domain_text() -> str:
+    """Deterministic sample of what the laptop model reads and writes: scripted Alchemy episodes
+    (observations, actions, memories) and the role prompts. The BPE's merges are trained on it, so an
+    observation takes ~half the tokens and its words are single tokens."""
+    import alchemy
+    import envs
+    import rollout
+    env = envs.make("alchemy", num_trials=1, seed=99)
+    parts = [rollout.ACTOR_SYSTEM, rollout.WRITER_SYSTEM, rollout.MEMORY_HEADER]
+    for task in env.tasks("train")[::9][:40]:
+        policy = env.reference_policy(task)
+        parts += rollout.scripted_text(env, task, policy)
+        parts.append(alchemy.memory_text(policy.knowledge, task.id, env.info.get("score", 0.0)))
+    return "\n".join(parts)
+
+
+def new_model(seed: int):
+    """The laptop model with random weights: a 4-layer Qwen3 and its BPE (rime.py's "small" before reading)."""
+    from model import build_tokenizer, tiny
+    tok = build_tokenizer(VOCAB_SIZE, extra_text=domain_text())
+    return tiny("qwen3", seed=seed, tokenizer=tok, **MODEL_SHAPE)
+
+
+# -----------------------------------------------------------------------------
+# the data: one generator per rung, random words, answers masked for the loss
+
+# the templates' own words never serve as keys or values (a "need" or a "best" key would be ambiguous)
+TEMPLATE_WORDS = set("""need best is now value on the of apply cauldron end trial stones stones potions actions
+steps left blocked good features memory goal make again copy no effect into with what you ve learned so far
+repository knowledge lessons pitfalls and a to s p for it in be or""".split())
+
+
+def word_pool(tokenizer) -> list:
+    """The tokenizer's whole-word tokens (" word" is one token), minus the templates' words: what a
+    random key or value is drawn from."""
+    words = []
+    for tok_text in tokenizer.get_vocab():
+        w = tokenizer.convert_tokens_to_string([tok_text])
+        if w.startswith(" ") and w[1:].isalpha() and w[1:].islower() and len(w) >= 3 and w[1:] not in TEMPLATE_WORDS:
+            if tokenizer(w, add_special_tokens=False)["input_ids"] == [tokenizer.convert_tokens_to_ids(tok_text)]:
+                words.append(w[1:])
+    return sorted(set(words))
+
+
+@dataclass
+class Item:
+    tokens: list          # prompt + answer
+    mask: list            # 1 on the tokens the loss and the ladder score
+    chance: float         # a uniform guess's exact-match rate
+
+
+class Data:
+    """Items of every rung, drawn from one RNG; the chat rungs are rendered with the tokenizer's template
+    exactly as rollout.py renders an actor's first turn."""
+
+    def __init__(self, tokenizer, seed: int):
+        import rollout
+        self.tok, self.rng = tokenizer, random.Random(seed)
+        self.words = word_pool(tokenizer)
+        assert len(self.words) >= 60, f"only {len(self.words)} one-token words in the tokenizer: too few keys"
+        self.fmt = rollout.ChatFormat(tokenizer)
+        self.rollout = rollout
+
+    def enc(self, text: str) -> list:
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def text_item(self, prompt: str, answer: str, chance: float) -> Item:
+        p, a = self.enc(prompt), self.enc(answer)
+        return Item(p + a, [0] * len(p) + [1] * len(a), chance)
+
+    def chat_item(self, user: str, reply: str, chance: float) -> Item:
+        p = self.fmt.prompt(self.rollout.ACTOR_SYSTEM, user)
+        a = self.fmt.scripted_reply(reply)
+        return Item(p + a, [0] * len(p) + [1] * len(a), chance)
+
+    def sample(self, n: int) -> list:
+        return self.rng.sample(self.words, n)
+
+    # --- the rungs
+
+    def recall(self) -> Item:
+        ws = self.sample(12)
+        keys, values = ws[:6], ws[6:]
+        # every word after a space, so a key is the same token in the pairs and in the queries
+        tokens = self.enc("recall:" + "".join(f" {k} {v}" for k, v in zip(keys, values)) + " |")
+        mask = [0] * len(tokens)
+        for i in self.rng.sample(range(6), 6):
+            k, v = self.enc(" " + keys[i]), self.enc(" " + values[i])
+            tokens += k + v
+            mask += [0] * len(k) + [1] * len(v)
+        return Item(tokens, mask, (1 / 6) ** 6)
+
+    def copy(self) -> Item:
+        ws = self.sample(self.rng.randint(3, 8))
+        return self.text_item("copy: " + " ".join(ws) + "\nagain:", " " + " ".join(ws), 0.0)
+
+    def notes(self, n: int):
+        ws = self.sample(2 * n)
+        return list(zip(ws[:n], ws[n:]))
+
+    def lookup(self, n: int) -> Item:
+        pairs = self.notes(n)
+        k, v = self.rng.choice(pairs)
+        lines = "\n".join(f"- {a} {b}" for a, b in pairs)
+        return self.text_item(f"{self.rollout.MEMORY_HEADER}\n### Repository Knowledge\n{lines}\n\nneed {k}", f" {v}", 1 / n)
+
+    def lookup6(self) -> Item:
+        return self.lookup(6)
+
+    def lookup12(self) -> Item:
+        return self.lookup(12)
+
+    def distractors(self, key_words: list, n: int) -> list:
+        """Lines in which note keys are followed by other words: stone-like descriptions, quoted outcomes,
+        plain lessons (the hard negatives of a lookup by the token before the value)."""
+        lines = []
+        for _ in range(n):
+            kind = self.rng.randrange(3)
+            a, b, c = self.sample(3)
+            k = self.rng.choice(key_words)
+            if kind == 0:
+                lines.append(f"- s{self.rng.randint(1, 4)} is now {k} {b} {c} (value {self.rng.choice('-+')}1).")
+            elif kind == 1:
+                lines.append(f"- p{self.rng.randint(1, 8)} {a} on s{self.rng.randint(1, 4)}: no effect.")
+            else:
+                lines.append(f"- {a.capitalize()} the {k} {b} before the {c}.")
+        return lines
+
+    def lookup_cap(self) -> Item:
+        pairs = self.notes(self.rng.randint(4, 8))
+        k, v = self.rng.choice(pairs)
+        lines = [f"- {a} {b}" for a, b in pairs] + self.distractors([a for a, _ in pairs], self.rng.randint(4, 7))
+        self.rng.shuffle(lines)
+        lessons = "\n".join(f"- {x.capitalize()} {y} {z}." for x, y, z in (self.sample(3) for _ in range(2)))
+        memory = "### Repository Knowledge\n" + "\n".join(lines) + "\n\n### Lessons & Pitfalls\n" + lessons
+        return self.text_item(f"{self.rollout.MEMORY_HEADER}\n{memory}\n\nneed {k}", f" {v}", 1 / len(pairs))
+
+    def state_text(self, stones: dict, potions: list) -> str:
+        """An Alchemy-shaped observation (alchemy.AlchemyEnv's template) with these stones and potions."""
+        st = "; ".join(f"s{i} {' '.join(w)} (value {v:+d})" for i, (w, v) in stones.items())
+        po = ", ".join(f"p{i} {c}" for i, c in enumerate(potions, 1))
+        return (f"Trial 1 of 1, {self.rng.randint(8, 20)} steps left.\nStones: {st}\nPotions: {po}\n"
+                "Actions: apply P S | cauldron S | end")
+
+    def world(self):
+        """Random stand-ins for Alchemy's words: 3 feature pairs, 6 potion colours, a best stone, the notes."""
+        ws = self.sample(12)
+        features, colours = [ws[0:2], ws[2:4], ws[4:6]], ws[6:12]
+        best = tuple(self.rng.choice(pair) for pair in features)
+        values = [w for pair in features for w in pair]
+        needs = dict(zip(values, self.rng.sample(colours, 6)))          # feature word -> colour, at random
+        return features, colours, best, needs
+
+    def memory(self, needs: dict, best, keep: list, features) -> str:
+        """A memory in the writer's shape: "- word colour" notes (as written, or inside quoted outcomes),
+        the best stone, distractors and lessons, in random order."""
+        lines = []
+        for w in keep:
+            if self.rng.random() < 0.5:
+                lines.append(f"- {w} {needs[w]}")
+            else:       # a quoted outcome line: the note inside it, then a stone description
+                look = " ".join(self.rng.choice(pair) if w not in pair else w for pair in features)
+                lines.append(f"- p{self.rng.randint(1, 8)} {needs[w]} on s{self.rng.randint(1, 4)}: {w} {needs[w]}. "
+                             f"s{self.rng.randint(1, 4)} is now {look} (value {self.rng.choice(('-1', '+1', '-3'))}).")
+        lines.append("- best " + " ".join(best))
+        lines += self.distractors([w for pair in features for w in pair], self.rng.randint(0, 2))
+        self.rng.shuffle(lines)
+        lessons = "\n".join(f"- {x.capitalize()} {y} {z}." for x, y, z in (self.sample(3) for _ in range(2)))
+        return "### Repository Knowledge\n" + "\n".join(lines) + "\n\n### Lessons & Pitfalls\n" + lessons
+
+    def lookup_action(self) -> Item:
+        features, colours, best, needs = self.world()
+        keep = self.rng.sample(list(needs), self.rng.randint(2, 6))
+        k = self.rng.choice(keep)
+        sid = self.rng.randint(1, 3)
+        stones = {i: (tuple(self.rng.choice(p) for p in features), self.rng.choice((-3, -1, 1))) for i in range(1, 4)}
+        potions = self.rng.sample(colours, 5) + [needs[k]]
+        self.rng.shuffle(potions)
+        user = (f"{self.rollout.MEMORY_HEADER}\n{self.memory(needs, best, keep, features)}\n\n"
+                f"{self.state_text(stones, potions)}\nGoal: make s{sid} {k}.")
+        return self.chat_item(user, f"need {k} {needs[k]} <action>apply {needs[k]} s{sid}</action>", 1 / len(keep))
+
+    def hop(self) -> Item:
+        """The note reader's decision (alchemy.note_action) on a random world, in states where the notes
+        decide it: one in ten holds a +15 stone (the cauldron), the rest need a lookup (a state the notes
+        do not decide is redrawn)."""
+        from alchemy import note_action
+        cauldron = self.rng.random() < 0.1
+        while True:
+            features, colours, best, needs = self.world()
+            keep = self.rng.sample(list(needs), self.rng.randint(2, 6))
+            stones = {}
+            for i in range(1, self.rng.randint(1, 4) + 1):
+                words = tuple(self.rng.choice(p) for p in features)
+                same = sum(a == b for a, b in zip(words, best))
+                stones[i] = (words, 15 if same == 3 else 2 * same - 3)
+            if cauldron:
+                sid = self.rng.choice(list(stones))
+                stones[sid] = (best, 15)
+            potions = [self.rng.choice(colours) for _ in range(self.rng.randint(4, 8))]
+            reply = note_action({w: needs[w] for w in keep}, best, stones, set(potions))
+            if reply is not None and reply.startswith("need ") != cauldron:
+                break
+        user = f"{self.rollout.MEMORY_HEADER}\n{self.memory(needs, best, keep, features)}\n\n{self.state_text(stones, potions)}"
+        return self.chat_item(user, reply, 1 / (len(set(potions)) * len(stones)))
+
+
+# rung -> used by the tasks (the ladder's target applies), in curriculum order
+RUNGS = {"recall": False, "copy": True, "lookup6": True, "lookup12": True, "lookup_cap": True,
+         "lookup_action": True, "hop": True}
+# The curriculum, by mastery: (phase, {rung: weight}, share of --batch, gate). A phase ends when every
+# gate rung reaches its accuracy on a 64-item check (every GATE_EVERY steps); the last phase ends when
+# every rung the tasks use reaches --target, or at --steps. Dense recall comes first: the lookup forms
+# there (suddenly, after a few hundred steps), then transfers to note lines, then to notes that must be
+# acted on. The last phase's rows are the actor's whole first turn (~4x longer), so its steps take half
+# the items.
+PHASES = [("recall", {"recall": 0.8, "copy": 0.2}, 1.0, {"recall": 0.5}),
+          ("notes", {"recall": 0.2, "copy": 0.1, "lookup6": 0.25, "lookup12": 0.2, "lookup_cap": 0.25}, 1.0,
+           {"lookup6": 0.9, "lookup12": 0.9, "lookup_cap": 0.9}),
+          ("acting", {"recall": 0.1, "copy": 0.05, "lookup6": 0.05, "lookup12": 0.05, "lookup_cap": 0.15,
+                      "lookup_action": 0.2, "hop": 0.4}, 0.5, None)]
+GATE_EVERY = 50
+
+
+# -----------------------------------------------------------------------------
+# training
+
+
+def batch_tensors(items: list, pad_id: int):
+    """Right-padded [B, T] tokens and the loss mask (shifted: mask[t] scores the prediction of token t+1)."""
+    T = max(len(it.tokens) for it in items)
+    x = torch.full((len(items), T), pad_id, dtype=torch.long)
+    m = torch.zeros(len(items), T, dtype=torch.bool)
+    for i, it in enumerate(items):
+        x[i, :len(it.tokens)] = torch.tensor(it.tokens)
+        m[i, :len(it.mask) - 1] = torch.tensor(it.mask[1:], dtype=torch.bool)
+    return x, m
+
+
+def micro_batches(items: list, max_tokens: int) -> list:
+    """A step's items sorted by length and cut into micro-batches of at most max_tokens padded tokens."""
+    items = sorted(items, key=lambda it: len(it.tokens))
+    out, cur = [], []
+    for it in items:
+        if cur and (len(cur) + 1) * len(it.tokens) > max_tokens:
+            out.append(cur)
+            cur = []
+        cur.append(it)
+    return out + [cur] if cur else out
+
+
+def train_step(model, opt, items: list, pad_id: int, micro_tokens: int) -> float:
+    """One optimizer step: the mean answer-token cross-entropy over every item, summed over micro-batches."""
+    total = sum(sum(it.mask) for it in items)
+    opt.zero_grad(set_to_none=True)
+    loss_sum = 0.0
+    for mb in micro_batches(items, micro_tokens):
+        x, m = batch_tensors(mb, pad_id)
+        logits = model(x)                                               # [B, T, V]
+        loss = torch.nn.functional.cross_entropy(logits[m], x[:, 1:][m[:, :-1]], reduction="sum") / total
+        loss.backward()
+        loss_sum += loss.item()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss_sum
+
+
+def lr_at(step: int, args: Args) -> float:
+    """Linear warm-up over 50 steps, then constant: the curriculum's length is decided by mastery, not
+    fixed in advance, so there is no end for a decay to aim at."""
+    return args.lr * min(1.0, (step + 1) / 50)
+
+
+VALIDATION_SEED = 20_011    # the gate checks' items: neither the training stream (--seed) nor the ladder's
+
+
+@torch.no_grad()
+def ladder(model, tokenizer, num_items: int = 200, seed: int = 10_007, rungs=None) -> dict:
+    """Exact-match accuracy per rung on held-out random items (their own RNG), teacher-forced: every
+    answer token is the argmax given the ones before, which is what greedy decoding would write."""
+    was = model.training
+    model.eval()
+    data = Data(tokenizer, seed)
+    out = {}
+    for rung in rungs or RUNGS:
+        items = [getattr(data, rung)() for _ in range(num_items)]
+        hits = []
+        for mb in micro_batches(items, 8192):
+            x, m = batch_tensors(mb, tokenizer.pad_token_id)
+            pred = model(x).argmax(-1)                                   # [B, T]
+            right = (pred[:, :-1] == x[:, 1:]) | ~m[:, :-1]
+            hits += right.all(dim=1).tolist()
+        out[rung] = {"accuracy": sum(hits) / len(hits), "chance": sum(it.chance for it in items) / len(items),
+                     "used": RUNGS[rung], "items": len(items)}
+    model.train(was)
+    return out
+
+
+def ladder_table(result: dict, target: float) -> str:
+    lines = ["| rung | accuracy | chance | used by the tasks | >= target |", "|---|---|---|---|---|"]
+    for rung, r in result.items():
+        ok = "yes" if r["accuracy"] >= target else ("no" if r["used"] else "-")
+        lines.append(f"| {rung} | {r['accuracy']:.3f} | {r['chance']:.3f} | {'yes' if r['used'] else 'no'} | {ok} |")
+    return "\n".join(lines)
+
+
+def ladder_passes(result: dict, target: float) -> bool:
+    return all(r["accuracy"] >= target for r in result.values() if r["used"])
+
+
+def build(args: Args, out: Path) -> Path:
+    """Train the reader into `out` (HF format + recipe.json + ladder.json + metrics.jsonl). A killed
+    build resumes from out/partial.pt (every --checkpoint-every steps)."""
+    from tqdm import tqdm
+    from model import save
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    out.mkdir(parents=True, exist_ok=True)
+    model, tok = new_model(args.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    partial, start, current = out / "partial.pt", 0, 0     # current: index into PHASES
+    data = Data(tok, args.seed)
+    if partial.exists():
+        state = torch.load(partial, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        data.rng.setstate(state["rng"])
+        start, current = state["step"], state["phase"]
+        print(f"pretrain: resuming {out} at step {start} (phase {PHASES[current][0]})")
+        if (out / "metrics.jsonl").exists():     # drop the rows of the steps after the checkpoint: they rerun
+            rows = [r for r in (out / "metrics.jsonl").read_text().splitlines() if json.loads(r)["step"] <= start]
+            (out / "metrics.jsonl").write_text("".join(r + "\n" for r in rows))
+    else:
+        print(f"pretrain: building the reader (at most {args.steps} steps, batch {args.batch}) into {out}; "
+              "this runs once and is then reused")
+    model.train()
+    log = open(out / "metrics.jsonl", "a")
+    bar = tqdm(range(start, args.steps), desc="pretrain (reading)", initial=start, total=args.steps)
+    t0, done = time.time(), False
+    for step in bar:
+        name, weights, share, gate = PHASES[current]
+        rungs = data.rng.choices(list(weights), weights=list(weights.values()), k=max(1, int(args.batch * share)))
+        items = [getattr(data, r)() for r in rungs]
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, args)
+        loss = train_step(model, opt, items, tok.pad_token_id, args.micro_tokens)
+        bar.set_postfix(phase=name, loss=f"{loss:.3f}")
+        row = {"step": step + 1, "phase": name, "loss": loss, "lr": lr_at(step, args), "s": time.time() - t0}
+        if (step + 1) % GATE_EVERY == 0:
+            # the gate: this phase's rungs (the last phase: every rung the tasks use) on validation items
+            bars = gate or {r: args.target for r, used in RUNGS.items() if used}
+            check = ladder(model, tok, 64, seed=VALIDATION_SEED, rungs=list(bars))
+            row["gate"] = {r: c["accuracy"] for r, c in check.items()}
+            bar.write(f"step {step + 1} ({name}): loss {loss:.3f}; " + ", ".join(f"{r} {a:.2f}" for r, a in row["gate"].items()))
+            if all(row["gate"][r] >= b for r, b in bars.items()):
+                if current + 1 < len(PHASES):
+                    current += 1
+                    bar.write(f"step {step + 1}: phase {name} mastered, next: {PHASES[current][0]}")
+                else:
+                    done = True
+        log.write(json.dumps(row) + "\n")
+        log.flush()
+        if done:
+            bar.write(f"step {step + 1}: every rung the tasks use is at {args.target} or more: done")
+            break
+        if (step + 1) % args.checkpoint_every == 0 and step + 1 < args.steps:
+            tmp = out / "partial.pt.tmp"
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "rng": data.rng.getstate(),
+                        "step": step + 1, "phase": current}, tmp)
+            os.replace(tmp, partial)
+    bar.close()
+    log.close()
+    result = ladder(model, tok, args.eval_items)
+    save(model, tok, out)
+    (out / "ladder.json").write_text(json.dumps(result, indent=2))
+    (out / "recipe.json").write_text(json.dumps(recipe(args), indent=2))
+    partial.unlink(missing_ok=True)
+    print(ladder_table(result, args.target))
+    return out
+
+
+def cache_dir(args: Args) -> Path:
+    return Path(os.environ.get("RIME_CACHE") or REPO / ".cache") / "reader" / recipe_key(args)
+
+
+def shipped_matches(args: Args) -> bool:
+    try:
+        return json.loads((SHIPPED / "recipe.json").read_text()) == recipe(args)
+    except (OSError, ValueError):
+        return False
+
+
+def reader_dir(args: Args = None, build_if_missing: bool = True) -> Path:
+    """The reader's HF directory: the shipped weights when their recipe is this file's, else the cache
+    (built now if missing and build_if_missing)."""
+    args = args or Args()
+    if shipped_matches(args):
+        return SHIPPED
+    d = cache_dir(args)
+    if not (d / "recipe.json").exists() and build_if_missing:
+        build(args, d)
+    return d
+
+
+def load_reader(args: Args = None):
+    """(model, tokenizer) of the reader: rime.py's "small" model starts here."""
+    from model import load, load_tokenizer
+    d = reader_dir(args)
+    return load(d), load_tokenizer(d)
+
+
+def main(argv=None):
+    args = cli.parse(Args, argv, prog="pretrain.py", description=__doc__.split("\n\n")[0])
+    if args.where:
+        print(reader_dir(args, build_if_missing=False))
+        return
+    if args.out:
+        out = Path(args.out)
+        if (out / "recipe.json").exists() and json.loads((out / "recipe.json").read_text()) == recipe(args):
+            print(f"pretrain: {out} already holds this recipe's reader")
+        else:
+            if out.exists() and not (out / "partial.pt").exists():
+                shutil.rmtree(out)
+            build(args, out)
+        d = out
+    else:
+        d = reader_dir(args)
+    if args.check:
+        from model import load, load_tokenizer
+        torch.set_num_threads(args.threads or os.cpu_count() or 1)
+        result = ladder(load(d), load_tokenizer(d), args.eval_items)
+        print(f"reading ladder of {d} ({args.eval_items} held-out items per rung, target {args.target}):")
+        print(ladder_table(result, args.target))
+        if not ladder_passes(result, args.target):
+            print("pretrain.py: a rung the tasks use is under the target", file=sys.stderr)
+            sys.exit(1)
+    else:
+        print(d)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,119 @@
+"""pretrain.py: the reading data, the ladder, the shipped reader, and a short rebuild (kill and resume)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import alchemy
+import pretrain
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def fresh():
+    """The laptop model with random weights and its tokenizer (what the pretraining starts from)."""
+    return pretrain.new_model(seed=0)
+
+
+def test_items_mask_exactly_the_answer(fresh):
+    _, tok = fresh
+    data = pretrain.Data(tok, seed=1)
+    item = data.lookup6()
+    answer = tok.decode([t for t, m in zip(item.tokens, item.mask) if m])
+    prompt = tok.decode(item.tokens[:item.mask.index(1)])
+    key = prompt.rsplit("need ", 1)[1]
+    line = next(ln for ln in prompt.splitlines() if ln.startswith(f"- {key} "))
+    assert answer == " " + line.split()[2] and item.chance == pytest.approx(1 / 6)
+    hop = data.hop()                           # the actor's whole chat turn, the reply supervised
+    reply = tok.decode([t for t, m in zip(hop.tokens, hop.mask) if m], skip_special_tokens=True)
+    assert reply.endswith("</action>") and "[Memory of what you've learned so far]" in tok.decode(hop.tokens)
+    recall = data.recall()                      # six values supervised, keys given
+    assert sum(recall.mask) >= 6
+
+
+def test_hop_items_follow_the_note_reader(fresh):
+    """The hop rung's answer is alchemy.note_action on the item's own random notes and state, and its words
+    are the pool's, paired at random: Alchemy's words are never a world's pairing."""
+    _, tok = fresh
+    data = pretrain.Data(tok, seed=2)
+    replies = [tok.decode([t for t, m in zip(it.tokens, it.mask) if m], skip_special_tokens=True)
+               for it in (data.hop() for _ in range(40))]
+    needs = [r for r in replies if r.startswith("need ")]
+    assert len(needs) >= 30 and all(r.split()[2] == r.split("apply ")[1].split()[0] for r in needs)
+    used = {w for r in needs for w in r.split()[1:3]}
+    assert len(used) > 40 and used <= set(data.words)
+
+
+def test_the_data_never_reads_a_world(fresh, monkeypatch):
+    """No fact of any Alchemy world can reach the pretraining: generating every rung touches no world."""
+    _, tok = fresh
+
+    def refuse(*a, **k):
+        raise AssertionError("the pretraining data read an Alchemy world")
+    monkeypatch.setattr(alchemy, "make_world", refuse)
+    monkeypatch.setattr(alchemy, "chemistry_of", refuse)
+    monkeypatch.setattr(alchemy.AlchemyEnv, "tasks", refuse)
+    data = pretrain.Data(tok, seed=3)
+    for rung in pretrain.RUNGS:
+        for _ in range(5):
+            getattr(data, rung)()
+
+
+def test_ladder_is_exact_match_and_an_untrained_model_is_at_chance(fresh):
+    model, tok = fresh
+    result = pretrain.ladder(model, tok, num_items=16, rungs=["lookup6", "hop"])
+    assert all(r["accuracy"] <= 0.25 for r in result.values())
+    assert not pretrain.ladder_passes(result, 0.9)
+    assert "| lookup6 |" in pretrain.ladder_table(result, 0.9)
+
+
+def test_the_shipped_reader_is_this_recipe_and_reads():
+    """weights/reader is what `pretrain.py` builds with its defaults (recipe.json matches), loads with
+    model.load / load_tokenizer, and passes the ladder on the rungs the tasks use (64 held-out items a rung)."""
+    assert pretrain.shipped_matches(pretrain.Args()), "weights/reader is stale: rebuild it (README: the reader)"
+    assert pretrain.reader_dir(build_if_missing=False) == pretrain.SHIPPED
+    model, tok = pretrain.load_reader()
+    result = pretrain.ladder(model, tok, num_items=64)
+    assert all(r["accuracy"] >= 0.8 for r in result.values() if r["used"]), pretrain.ladder_table(result, 0.8)
+    stored = json.loads((pretrain.SHIPPED / "ladder.json").read_text())
+    assert pretrain.ladder_passes(stored, 0.9), pretrain.ladder_table(stored, 0.9)
+
+
+def test_a_short_build_learns_and_resumes_after_a_kill(tmp_path, monkeypatch):
+    """The recipe cannot rot: a 12-step build runs end to end, its loss falls, and a build killed after
+    step 7 resumes from its step-6 checkpoint and logs every step once."""
+    args = pretrain.Args(steps=12, batch=8, eval_items=4, checkpoint_every=3, lr=3e-3)
+    real_step, calls = pretrain.train_step, []
+
+    def dying(*a, **k):
+        calls.append(1)
+        if len(calls) == 8:
+            raise KeyboardInterrupt
+        return real_step(*a, **k)
+    monkeypatch.setattr(pretrain, "train_step", dying)
+    monkeypatch.setattr(pretrain, "ladder", lambda model, tok, num_items=0, seed=0, rungs=None: {
+        r: {"accuracy": 0.0, "chance": 0.0, "used": u, "items": 0} for r, u in pretrain.RUNGS.items()})
+    out = tmp_path / "reader"
+    with pytest.raises(KeyboardInterrupt):
+        pretrain.build(args, out)
+    assert torch.load(out / "partial.pt", weights_only=False)["step"] == 6
+    monkeypatch.setattr(pretrain, "train_step", real_step)
+    pretrain.build(args, out)
+    rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    assert not (out / "partial.pt").exists() and json.loads((out / "recipe.json").read_text()) == pretrain.recipe(args)
+    from model import load, load_tokenizer
+    assert load(out).config.hidden_size == pretrain.MODEL_SHAPE["hidden_size"] and load_tokenizer(out).chat_template
+
+
+def test_cli_where_and_bad_flags():
+    where = subprocess.run([sys.executable, "pretrain.py", "--where"], cwd=ROOT, capture_output=True, text=True)
+    assert where.returncode == 0 and where.stdout.strip() == str(pretrain.SHIPPED)
+    bad = subprocess.run([sys.executable, "pretrain.py", "--steps", "0"], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2 and "--steps must be >= 1" in bad.stderr and "Traceback" not in bad.stderr
