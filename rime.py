@@ -509,17 +509,26 @@ def setup(args: Args) -> Run:
     return run
 
 
+def log_ladder(run: Run, when: str) -> dict:
+    """The reading ladder (pretrain.py --check) of the policy now, logged and printed: 64 held-out items a rung."""
+    import pretrain
+    ladder = pretrain.ladder(run.learner.gen_model, run.tokenizer, num_items=64)
+    run.log({"phase": "ladder", "when": when, **{k: v["accuracy"] for k, v in ladder.items()}})
+    print0(f"reading ladder {when} (64 held-out items per rung):\n" + pretrain.ladder_table(ladder, 0.9))
+    return ladder
+
+
 def warm_start_phase(run: Run) -> None:
     """Warm start (fresh runs only), then the writers, then the resume of every learner."""
     args, learner = run.args, run.learner
-    if not run.resuming and args.model in ("small", "scratch") and run.d.is_main:
-        import pretrain     # the reading ladder of the weights RL will start from (pretrain.py --check)
-        ladder = pretrain.ladder(learner.gen_model, run.tokenizer, num_items=64)
-        run.log({"phase": "ladder", **{k: v["accuracy"] for k, v in ladder.items()}})
-        print0("reading ladder before the warm start (64 held-out items per rung):\n" + pretrain.ladder_table(ladder, 0.9))
+    ladder_logged = not run.resuming and args.model in ("small", "scratch") and run.d.is_main
+    if ladder_logged:
+        log_ladder(run, "before the warm start")
     if not run.resuming:
         run.state["warm"] = warmstart.warm_start(learner, run.tokenizer, run.env, args, run.log) if args.warmstart_steps else {}
         if run.state["warm"].get("steps"):
+            if ladder_logged:           # did imitating the protocol cost the reading?
+                log_ladder(run, "after the warm start")
             if run.d.is_main:
                 save(learner.gen_model, run.tokenizer, run.path("warmstart"))
                 print0(f"warm-started weights saved to {run.path('warmstart')}")

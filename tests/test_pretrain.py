@@ -96,7 +96,7 @@ def test_a_short_build_learns_and_resumes_after_a_kill(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real_step(*a, **k)
     monkeypatch.setattr(pretrain, "train_step", dying)
-    monkeypatch.setattr(pretrain, "ladder", lambda model, tok, num_items=0, seed=0, rungs=None: {
+    monkeypatch.setattr(pretrain, "ladder", lambda model, tok, num_items=0, seed=0, rungs=None, pool=0: {
         r: {"accuracy": 0.0, "chance": 0.0, "used": u, "items": 0} for r, u in pretrain.RUNGS.items()})
     out = tmp_path / "reader"
     with pytest.raises(KeyboardInterrupt):
@@ -117,3 +117,15 @@ def test_cli_where_and_bad_flags():
     assert where.returncode == 0 and where.stdout.strip() == str(pretrain.SHIPPED)
     bad = subprocess.run([sys.executable, "pretrain.py", "--steps", "0"], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and "--steps must be >= 1" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_task_words_are_alchemys_vocabulary_and_lead_the_pool(fresh):
+    """The pool starts with the words Alchemy's notes are made of (a vocabulary, never a pairing)."""
+    _, tok = fresh
+    assert set(pretrain.TASK_WORDS) == set(alchemy.COLOURS) | {w for pair in alchemy.FEATURES for w in pair}
+    data = pretrain.Data(tok, seed=4)
+    data.use_pool(pretrain.POOL)
+    assert data.words[:12] == pretrain.TASK_WORDS and len(set(data.words)) == pretrain.POOL
+    item = data.recall()
+    words = tok.decode(item.tokens).split("|")[0].split()[1:]
+    assert set(words) <= set(data.words) and len(words) == 12
