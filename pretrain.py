@@ -35,7 +35,7 @@ Simplified on purpose: one fixed curriculum (phase weights below), Alchemy's wor
 template; no packing (rows of one step are sorted by length into micro-batches instead).
 """
 
-import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -103,6 +103,7 @@ MODEL_SHAPE = dict(hidden_size=192, num_layers=4, intermediate_size=512, max_seq
 VOCAB_SIZE = 2048
 
 
+@functools.lru_cache(maxsize=1)
 def domain_text() -> str:
     """Deterministic sample of what the laptop model reads and writes: scripted Alchemy episodes
     (observations, actions, memories) and the role prompts. The BPE's merges are trained on it, so an
