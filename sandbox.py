@@ -29,25 +29,30 @@ unprivileged user namespace):
 - a filesystem built from an allowlist: a new root (a read-only tmpfs, entered with pivot_root)
   holding the system directories (/usr, /bin, /lib*, /sbin, /etc), the running interpreter (its
   prefixes, the real directory of its executable and its site-packages, each at its own path:
-  a venv under /tmp works, pyenv shows its one version under an otherwise empty $HOME), `ro_paths`
-  at their own path, `mounts` at neutral paths (all read-only), a fresh /proc, a minimal /dev,
-  private /tmp and /dev/shm tmpfs, and the workspace (the only writable host directory, at its own
-  path). Nothing else of the host is there: not the project's source, data or caches, not $HOME,
-  not the host's /tmp;
+  a venv under /tmp works, and one reached through a link shows at the link's path too; pyenv shows
+  its one version under an otherwise empty $HOME), `ro_paths` at their own path, `mounts` at neutral
+  paths (all read-only), `hide` paths shown empty, a fresh /proc, a minimal /dev, private /tmp and
+  /dev/shm tmpfs, and the workspace (the only writable host directory, at its own path). Nothing
+  else of the host is there: not the project's source, data or caches, not $HOME, not the host's
+  /tmp. /proc/self/mountinfo names each mount's host path, so a mount's host path must not tell
+  where anything else lies;
 - an unreachable helper: it is PID 1 of its own PID namespace and non-dumpable, and /proc hides
   it (hidepid), so a command cannot read its command line or write to its stdin; a stray line on
   that pipe is skipped all the same;
-- no network: a network namespace with only a downed loopback, unless network=True;
+- no network: a network namespace with only a downed loopback, unless network=True; a private IPC
+  namespace (no SysV shared memory or message queue outlives the sandbox);
 - limits: a timeout (exit code 124; reached even when a command closed its output), process and
   memory limits through a cgroup (v1 or v2, needs root) when one can be made, else RLIMIT_NPROC
   for a non-root user or the per-namespace `kernel.pid_max` (Linux >= 6.14) for root, and
-  RLIMIT_AS for memory; RLIMIT_FSIZE (one file), RLIMIT_CPU (CPU time per process), a disk quota on
-  the workspace (`disk_mb`, measured every sandbox_helper.QUOTA_CHECK_S and after each command: over it, the
-  command is stopped and later commands may delete but grow no file until it is back under), and
-  size-limited tmpfs for /tmp and /dev/shm;
+  RLIMIT_AS for memory; RLIMIT_FSIZE (one file), RLIMIT_CPU (CPU time per process), a quota on
+  the workspace: `disk_mb` of apparent size (a sparse file counts what it claims), `max_files`
+  entries and MAX_DEPTH levels, measured every sandbox_helper.QUOTA_CHECK_S and before and after
+  each command: over it, the command is stopped and later commands may delete but grow no file (and,
+  with Landlock, make none) until it is back under; and size-limited tmpfs for /tmp and /dev/shm;
 - output capped (head and tail) and sanitised: terminal escape sequences removed, \r made \n,
   NUL and other control characters replaced; a command with a NUL byte or over MAX_COMMAND_BYTES
-  is not run (exit code 126, the output says why).
+  is not run (exit code 126, the output says why), and neither is one that cannot start (126): no
+  command makes run() raise (`chmod 000 .` is undone before the next command).
 As PID 1, the helper ends every other process of its namespace with one `kill(-1, SIGKILL)` after
 each command, so `setsid`, double forks and ignored SIGTERM do not help a process to survive.
 `sb.mode` and `sb.describe()` say what is active.

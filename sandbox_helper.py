@@ -230,6 +230,7 @@ def _run_one(req: dict, config: dict, quota: _DiskQuota) -> dict:
     capture = _Capture(req["max_output"])
     # over quota: this command may delete and truncate, but no file may grow (a full fork, rare)
     full = quota.over()
+    at_start = (quota.used, quota.entries, quota.depth)
     workdir = config["workdir"]
     mode = os.stat(workdir).st_mode
     if mode & 0o700 != 0o700:   # `chmod 000 .` must not stop every later command from starting
@@ -257,7 +258,9 @@ def _run_one(req: dict, config: dict, quota: _DiskQuota) -> dict:
             break
         if now >= next_quota_check:
             next_quota_check = now + QUOTA_CHECK_S
-            if quota.over():
+            # over the quota: stopped, unless it started over and has not grown since (it is deleting)
+            if quota.over() and (not full or any(now > then for now, then in
+                                                 zip((quota.used, quota.entries, quota.depth), at_start))):
                 stopped = "quota"
                 break
         events = dict(poller.poll(min(deadline - now, 0.05) * 1000))   # without a pidfd, look every 50 ms
