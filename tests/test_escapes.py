@@ -291,6 +291,17 @@ def test_no_command_makes_the_sandbox_raise():
         assert sb.run("echo alive").output == "alive\n"
 
 
+@needs_namespaces
+def test_ipc_objects_stay_in_their_sandbox():
+    """Issue 30.6: a SysV shared-memory segment outlives the command that made it; without an IPC namespace
+    of its own, the next task's sandbox (or the host) could read it."""
+    with Sandbox(timeout=10) as a:
+        assert "id" in a.run("ipcmk -M 4096").output
+        assert a.run("ipcs -m").output.count("0x") == 1
+        with Sandbox(timeout=10) as b:
+            assert b.run("ipcs -m").output.count("0x") == 0
+
+
 def _temp_entries():
     return {p.name for p in Path(tempfile.gettempdir()).iterdir() if p.name.startswith(("workspace-", "sandbox-", "codebase-"))}
 
