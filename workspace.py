@@ -148,10 +148,11 @@ def write_memory(workdir, files: dict) -> None:
         path.write_text(text, errors="backslashreplace")
 
 
-def copy_tree(src_root, rel: str, dst, skip=()) -> str:
+def copy_tree(src_root, rel: str, dst, skip=(), links: bool = True) -> str:
     """Copy the directory rel of src_root (a workspace the host owns) to dst, as the agent left it but
-    safe for the host: no link is followed on the way to rel or inside it (links are copied as links),
-    only regular files, directories and links are copied (a FIFO or a device is skipped), names in skip
+    safe for the host: no link is followed on the way to rel or inside it (links are copied as links,
+    or left out if not `links`), only regular files, directories and links are copied (a FIFO or a
+    device is skipped; modes keep their rwx bits only, xattrs are not copied), names in skip
     are skipped at every level, and the copy is refused past COPY_MAX_BYTES (apparent size: a sparse
     file counts what it claims, since the copy writes it out) or COPY_MAX_ENTRIES, or MAX_DEPTH levels.
     Returns "" or why the tree was refused (a one-line observation)."""
@@ -182,7 +183,8 @@ def copy_tree(src_root, rel: str, dst, skip=()) -> str:
                         continue
                     try:
                         if e.is_symlink():
-                            os.symlink(os.readlink(e.name, dir_fd=dir_fd), out / e.name)
+                            if links:
+                                os.symlink(os.readlink(e.name, dir_fd=dir_fd), out / e.name)
                         elif e.is_dir(follow_symlinks=False):
                             todo.append((_open_in(dir_fd, e.name, os.O_RDONLY | os.O_DIRECTORY), out / e.name, depth + 1))
                         elif e.is_file(follow_symlinks=False):
@@ -269,23 +271,31 @@ class Workspace:
 
     def clear(self, memory: dict | None = None) -> None:
         """A fresh workspace for the next task: the sandbox ends (its private /tmp and /dev/shm with it)
-        and everything goes but the memory folder's regular files, rewritten as new files (no mode, xattr
-        or link of the agent's survives); the root gets its own mode back and loses its xattrs. The
-        memory folder then holds `memory` if given, else what the memory rule (above) says."""
+        and everything goes but the memory folder's regular files, copied as new files (copy_tree: no
+        link, FIFO, xattr or mode bit but rwx of the agent's survives, at most COPY_MAX_BYTES); the root
+        gets its own mode back and loses its xattrs. The memory folder then holds `memory` if given,
+        else what the memory rule (above) says."""
         self.stop()
         workdir = self.workdir
         if memory is None and not (self.keep_memory or self._memory_given):
             memory = {}
-        if memory is None:
-            memory = read_memory(workdir)
         os.chmod(workdir, 0o700)
         try:
             for attr in os.listxattr(workdir):
                 os.removexattr(workdir, attr)
         except OSError:   # a filesystem without xattrs
             pass
-        remove_tree(*workdir.iterdir())
-        write_memory(workdir, memory)
+        kept = Path(tempfile.mkdtemp(prefix="workspace-memory-", dir=workdir.parent)) / MEMORY_DIR
+        try:
+            if memory is None and copy_tree(workdir, MEMORY_DIR, kept, links=False):   # refused: over the caps
+                memory = read_memory(workdir)
+            remove_tree(*workdir.iterdir())
+            if memory is None:   # the folder whole, as fresh files and directories
+                os.rename(kept, workdir / MEMORY_DIR)
+            else:
+                write_memory(workdir, memory)
+        finally:
+            remove_tree(kept.parent)
         self._memory_given = False
 
     def start(self, env: dict | None = None) -> None:

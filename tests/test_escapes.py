@@ -318,8 +318,9 @@ def test_no_action_makes_an_env_raise_or_leave_files(name):
     deep = "python -c \"import os; os.makedirs('/'.join(['d'] * 1500))\""
     try:
         env.reset(task)
-        for cmd in [f"mkfifo .agent_memory/fifo", f"cd .agent_memory && {deep}", f"cd tenacity 2>/dev/null; {deep}",
-                    "mkdir -p locked/inner && chmod 000 locked/inner locked", "chmod 000 ."]:
+        # the deep tree goes where the host walks it: the package (grading) or the memory folder (memory_files)
+        for cmd in ["mkfifo .agent_memory/fifo", "mkdir -p locked/inner && chmod 000 locked/inner locked",
+                    f"cd {'tenacity' if name == 'coding' else '.agent_memory'} && {deep}", "chmod 000 ."]:
             obs, reward, done = env.step(shell + cmd)
             assert isinstance(obs, str) and not done, obs
         obs, reward, done = env.step(shell + "echo alive")

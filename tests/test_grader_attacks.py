@@ -190,7 +190,7 @@ def test_no_copy_of_a_task_repository_is_reachable_from_the_shell():
     try:
         env.reset(TASKS["tenacity"])
         env.workspace.sandbox.write_file("scan.py", VENDOR_SCAN)
-        r = env.workspace.run(f"echo {shlex.quote(json.dumps(snippets))} | python scan.py")
+        r = env.workspace.sandbox.run(f"echo {shlex.quote(json.dumps(snippets))} | python scan.py", timeout=600)
         assert r.exit_code == 0, r.output[-2000:]
         found = json.loads(r.output.strip().splitlines()[-1])
         assert not found, found[:10]
