@@ -69,7 +69,7 @@ from codebase_tasks import (DATA_DIR, REPOS, ROOT, SWEBENCH_FIELDS, TEST_DEPS, R
                             bug_location, cache_dir, ci_report, deps_dir, fetch, load_swebench_jsonl,
                             load_tasks, long_streams, relay_tasks, require_cache, source_dir, test_stream)
 from grader import distrust, junit_key, parse_python, plant_controls, read_report
-from sandbox import SYSTEM_DIRS, interpreter_paths, remove_tree
+from sandbox import remove_tree
 from workspace import (COPY_MAX_BYTES, MEMORY_DIR, Task, Workspace, WorkspaceEnv, copy_tree, env_error_observation,
                        read_workspace_file)
 
