@@ -38,7 +38,9 @@ How it works (as in AReaL's asynchronous PPO):
   reward). Every row of an episode (each context closed by a reset, then the last) gets the episode's
   score at its last policy token; GAE with the critic (a value head) runs over its policy tokens.
   --mask-memory-actions (an ablation) puts loss mask 0 on the tokens of actions that write or read memory
-  files. An episode whose environment raised is logged as failed with its reason and not trained on.
+  files. An episode whose environment raised on an action ends there with score 0 and is trained on like
+  any other (its reason logged as env_error): a policy must not turn a losing episode into an unpenalised
+  one. Only an episode that could not run at all (its reset raised, the rollout crashed) is dropped.
 - Evaluation: --eval-tasks test tasks per env (the paper: 128), greedy, as streams (a test group's tasks
   in order); success per env and the average, before RL (after the warm start) and after, paired by
   task; the paper's Table 2 layout beside the published rows. Ablations (--eval-memory): blank empties
@@ -262,7 +264,7 @@ def warmstart_rows(cfg: Config, tokenizer, make_env) -> list:
         train = proto.tasks("train")
         tasks = train[::max(1, len(train) // max(cfg.warmstart_tasks, 1))][:cfg.warmstart_tasks]
         eps, _ = reference_episodes(proto, tasks, tokenizer, cfg)
-        rows += [(r.tokens, r.loss_mask) for ep in eps if not ep.error for r in ep.rows()]
+        rows += [(r.tokens, r.loss_mask) for ep in eps if not (ep.error or ep.env_error) for r in ep.rows()]
     return rows
 
 
@@ -518,7 +520,8 @@ def train(run: Run, num_spawn: int, remote_workers: bool) -> None:
         run.append("episodes.jsonl", {"update": run.step, "env": s.env, "task": s.task_id, "version": s.version,
                                       "lag": learner.version - s.version, "worker": s.worker, "score": s.score,
                                       "success": s.success, "finish": s.finish, "resets": s.num_resets,
-                                      "reset_log": s.reset_log, "used": used, "error": s.error})
+                                      "reset_log": s.reset_log, "used": used, "error": s.error,
+                                      "env_error": s.env_error})
 
     state = {"buffer": [], "num_stale": 0, "num_failed": 0}
     try:

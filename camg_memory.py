@@ -37,12 +37,13 @@ from __future__ import annotations
 
 import re
 
-from rollout import ACTOR_SYSTEM, CONTINUATION_PATH, ChatFormat, agent_loop
+from rollout import ACTOR_SYSTEM, CONTINUATION_PATH, ChatFormat, agent_loop, list_paths
 
 FILE = CONTINUATION_PATH.split("/", 1)[1]      # "CONTINUATION.md" inside .agent_memory/
 MEMORY_MODES = ("full", "blank", "shuffle", "continuation", "wiped")
 NO_MEMORY, KEPT = "No saved memory files yet.", " Notes you write under .agent_memory/ are kept for later tasks."
 MAX_CHARS = 1200                               # the file's bound: enough for a task's facts, not a transcript
+MEMORY_NOTE_CHARS = 1600                       # memory_note's bound, whatever the folder holds
 OUTCOMES = ("written", "empty", "missing", "stale")
 
 # a shell command that prints the file (not one that only redirects into it)
@@ -73,7 +74,8 @@ def memory_note(env, kept: bool = True) -> str:
     paths = [f".agent_memory/{p}" for p in sorted(env.memory_files())]
     if not paths:
         return NO_MEMORY + (KEPT if kept else "")
-    return "Saved memory files (read them with a shell action, e.g. cat PATH): " + ", ".join(paths)
+    head = "Saved memory files (read them with a shell action, e.g. cat PATH): "
+    return head + list_paths(paths, MEMORY_NOTE_CHARS - len(head))
 
 
 # ----------------------------------------------------------------------------- the reset protocol

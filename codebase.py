@@ -48,6 +48,9 @@ the sandbox is a namespace, not a VM (sandbox.py says what it does and does not 
 """
 
 import ast
+import functools
+import glob
+import hashlib
 import io
 import os
 import random
@@ -66,7 +69,9 @@ from codebase_tasks import (DATA_DIR, REPOS, ROOT, SWEBENCH_FIELDS, TEST_DEPS, R
                             bug_location, cache_dir, ci_report, deps_dir, fetch, load_swebench_jsonl,
                             load_tasks, long_streams, relay_tasks, require_cache, source_dir, test_stream)
 from grader import distrust, junit_key, parse_python, plant_controls, read_report
-from workspace import MEMORY_DIR, Task, Workspace, WorkspaceEnv
+from sandbox import remove_tree
+from workspace import (COPY_MAX_BYTES, MEMORY_DIR, Task, Workspace, WorkspaceEnv, copy_tree, env_error_observation,
+                       read_workspace_file)
 
 MAX_STEPS = 40            # the RIME benchmark's turn budget
 COMMAND_TIMEOUT = 30.0    # seconds per agent shell command
@@ -75,6 +80,7 @@ OBS_CHARS = 2000          # command output shown to the agent (head and tail kep
 PATCH_EOF = "RIME_PATCH_EOF"  # heredoc delimiter of the reference policy's patch
 PYTEST_INI = "[pytest]\naddopts = -p no:cacheprovider\n"   # replaces tablib's (it needs pytest-cov)
 DEPS_MOUNT = "/opt/rime-deps"  # where a sandbox sees the test dependencies (a neutral path, not the cache's)
+GRADE_COPY_BYTES = COPY_MAX_BYTES   # the grader copies at most this much of a workspace (apparent size)
 
 
 # ----------------------------------------------------------------------------- workspaces
@@ -175,11 +181,53 @@ def agent_env(data: dict, workdir: Path) -> dict:
             "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "PYTHONDONTWRITEBYTECODE": "1"}
 
 
+def deps_mount() -> dict:
+    """{DEPS_MOUNT: host path} for a task's sandbox. The host path is a copy of the cache's deps in the
+    temp dir, made once per cache (named by a hash), because /proc/self/mountinfo shows every mount's
+    host path: the cache's own path would tell a shell where the pristine sources lie."""
+    src = deps_dir().resolve()
+    if not src.is_dir():   # no cache: the sandbox says so (require_cache() explains how to fetch it)
+        return {DEPS_MOUNT: str(src)}
+    stamp = (src / ".complete").read_text() if (src / ".complete").exists() else ""
+    name = hashlib.sha256(f"{src}\n{stamp}".encode()).hexdigest()[:16]
+    dest = Path(tempfile.gettempdir()) / f"rime-deps-{name}"
+    if not (dest / ".complete").exists():
+        tmp = Path(tempfile.mkdtemp(prefix=f"rime-deps-{name}-"))
+        shutil.copytree(src, tmp / "deps")
+        try:
+            os.rename(tmp / "deps", dest)   # atomic: another process may have made it meanwhile
+        except OSError:
+            pass
+        remove_tree(tmp)
+    return {DEPS_MOUNT: str(dest)}
+
+
+@functools.lru_cache(maxsize=None)
+def vendored_copies() -> tuple[str, ...]:
+    """Paths a task's sandbox shows empty: every copy of a task repository's package that the Python
+    installations it shows hold, vendored or not (pip's `_vendor` held tenacity 8.2; ensurepip's and
+    Debian's wheels hold pip). Looked up where Python keeps packages (each interpreter's stdlib and
+    site-packages, /usr and /usr/local's, the system's wheel directory) by name: milliseconds, where a
+    walk of the whole system takes seconds. tests/test_grader_attacks.py walks the whole sandbox."""
+    import site
+    names = sorted({spec.package.rsplit("/", 1)[-1] for spec in REPOS.values()})
+    prefixes = {sys.prefix, sys.base_prefix, "/usr", "/usr/local"}
+    libs = {d for p in prefixes for d in glob.glob(f"{p}/lib*/python*") if os.path.isdir(d)}   # stdlib, Debian's python3
+    sites = {*site.getsitepackages(), *(d for lib in libs for d in glob.glob(f"{lib}/*-packages"))}
+    found = {f"{lib}/ensurepip/_bundled" for lib in libs} | {"/usr/share/python-wheels"}
+    for d in sites:
+        for pattern in (*names, "*/_vendor", *(f"*/*/{n}" for n in names), "*.whl", "*.egg", "*.pyz"):
+            found.update(glob.glob(f"{glob.escape(d)}/{pattern}"))
+    found = sorted(p for p in found if os.path.lexists(p))
+    return tuple(p for p in found if not any(p.startswith(q + "/") for q in found))   # one mount hides what is inside
+
+
 def open_sandbox(workdir: Path, env: dict, timeout: float):
     """A sandbox on workdir that sees the system, the interpreter, the test deps (at DEPS_MOUNT) and
-    workdir: nothing of this project (its source, data/, the cache with the pristine sources)."""
+    workdir: nothing of this project (its source, data/, the cache with the pristine sources), and no
+    other copy of a task repository (vendored_copies)."""
     from sandbox import Sandbox
-    return Sandbox(timeout=timeout, workdir=workdir, env=env, mounts={DEPS_MOUNT: str(deps_dir())})
+    return Sandbox(timeout=timeout, workdir=workdir, env=env, mounts=deps_mount(), hide=vendored_copies())
 
 
 # ----------------------------------------------------------------------------- grading
@@ -207,12 +255,12 @@ def run_tests(data: dict, stage: Path, test_ids: list[str], command: str, timeou
     The copy gets planted control tests; the run counts only if the cross-checks above hold."""
     rng = random.SystemRandom()
     none = TestRun({t: False for t in test_ids}, {t: 0.0 for t in test_ids})
-    with tempfile.TemporaryDirectory(prefix="codebase-grade-") as tmp:
-        box = Path(tmp)
+    box = Path(tempfile.mkdtemp(prefix="codebase-grade-"))
+    try:   # not TemporaryDirectory: the tested code may leave a tree too deep for shutil.rmtree in box
         tree = box / "repo"
-        shutil.copytree(stage, tree, symlinks=True)
+        shutil.copytree(stage, tree, symlinks=True)   # stage: the grader's own, bounded copy
         files = sorted({t.split("::")[0] for t in test_ids})
-        if not all((tree / f).is_file() and not (tree / f).is_symlink() for f in files):
+        if not all(read_workspace_file(tree, f, 1) is not None for f in files):   # no link on the way
             return replace(none, error="a test file is missing from the grading tree")
         try:   # in up to 3 of the asked files: parsing every test module would slow each run down
             controls = plant_controls(tree, rng.sample(files, min(3, len(files))), rng)
@@ -230,6 +278,8 @@ def run_tests(data: dict, stage: Path, test_ids: list[str], command: str, timeou
         cases = read_report(report)
         if cases is None:
             return replace(none, error="pytest wrote no report: " + res.output[-2000:])
+    finally:
+        remove_tree(box)
     reason = distrust(res.exit_code, res.output, cases, asked, controls)
     if reason:
         return replace(none, error=f"grading run untrusted: {reason}")
@@ -241,7 +291,9 @@ TEST_CONFIG = ("conftest.py", "pytest.ini", "tox.ini")   # put back pristine (or
 
 def _stage_swebench(data: dict, workdir: Path, stage: Path) -> str:
     """The agent's checkout with the pristine test files, then test_patch -> "" or why it failed."""
-    shutil.copytree(workdir, stage, symlinks=True, ignore=shutil.ignore_patterns(".git", MEMORY_DIR))
+    problem = copy_tree(workdir, ".", stage, skip=(".git", MEMORY_DIR))
+    if problem:
+        return problem
     patched = re.findall(r"^(?:---|\+\+\+) [ab]/(\S+)", data["test_patch"], flags=re.M)
     tests = {t.split("::")[0] for t in data["FAIL_TO_PASS"] + data["PASS_TO_PASS"]} | set(patched)
     is_test = lambda rel: rel in tests or rel.rsplit("/", 1)[-1] in TEST_CONFIG  # noqa: E731
@@ -263,15 +315,16 @@ def _stage_swebench(data: dict, workdir: Path, stage: Path) -> str:
 def grade(data: dict, workdir: Path, timeout: float = GRADE_TIMEOUT) -> Grade:
     """SWE-bench resolution of the agent's workspace, judged on a copy the grader builds (see above)."""
     f2p, p2p = data["FAIL_TO_PASS"], data["PASS_TO_PASS"]
-    with tempfile.TemporaryDirectory(prefix="codebase-stage-") as tmp:
-        stage = Path(tmp) / "repo"
+    tmp = Path(tempfile.mkdtemp(prefix="codebase-stage-"))
+    try:
+        stage = tmp / "repo"
         if data["kind"] == "native":
             spec = REPOS[data["repo"]]
-            pkg = workdir / spec.package
-            if pkg.is_symlink() or not pkg.is_dir() or not (pkg / "__init__.py").is_file():
-                return Grade(False, 0.0, f2p + p2p, f"the package {spec.package}/ is gone from the workspace")
             pristine_tree(spec.name, stage, package=False)
-            shutil.copytree(pkg, stage / spec.package, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+            # the agent's package, never through a link (on the way to it or inside it), capped in size
+            problem = copy_tree(workdir, spec.package, stage / spec.package, skip=("__pycache__",))
+            if problem or read_workspace_file(stage, f"{spec.package}/__init__.py", 1) is None:
+                return Grade(False, 0.0, f2p + p2p, problem or f"the package {spec.package}/ is gone from the workspace")
             command = f"{shlex.quote(sys.executable)} -m pytest"
         else:
             problem = _stage_swebench(data, workdir, stage)
@@ -286,6 +339,8 @@ def grade(data: dict, workdir: Path, timeout: float = GRADE_TIMEOUT) -> Grade:
             run = run_tests(data, stage, p2p, command, timeout)
             status.update(run.passed)
             error = run.error
+    finally:
+        remove_tree(tmp)
     failed = [t for t in f2p + p2p if not status.get(t, False)]
     f2p_frac = sum(status[t] for t in f2p) / max(1, len(f2p))
     return Grade(not failed, f2p_frac, failed, error)
@@ -335,8 +390,8 @@ class CodebaseEnv(WorkspaceEnv):
         self.config = dict(command_timeout=command_timeout, grade_timeout=grade_timeout,
                            obs_chars=obs_chars, max_steps=max_steps, require_cache=require_cache)
         self.grade_timeout, self.max_steps = grade_timeout, max_steps
-        self.workspace = Workspace(command_timeout, obs_chars=obs_chars, keep_memory=False,
-                                   mounts={DEPS_MOUNT: str(deps_dir())})
+        # its mounts and hidden paths are set by reset(): listing tasks needs neither
+        self.workspace = Workspace(command_timeout, obs_chars=obs_chars, keep_memory=False)
         self.task, self.info, self.num_steps, self.done = None, {}, 0, True
 
     def score(self, resolved: bool, step: int) -> float:
@@ -365,6 +420,7 @@ class CodebaseEnv(WorkspaceEnv):
         ws.stop()   # the last task's processes end before its files go
         ws.clear(memory=None if self.FILE_MEMORY else {})
         prepare_workspace(task.data, ws.workdir)
+        ws.mounts, ws.hide = deps_mount(), vendored_copies()
         ws.start(agent_env(task.data, ws.workdir))
         self.task, self.num_steps, self.done = task, 0, False
         self.info = {"resolved": False, "success": 0.0, "f2p_frac": 0.0, "solved_step": 0}
@@ -389,15 +445,21 @@ class CodebaseEnv(WorkspaceEnv):
         self.num_steps += 1
         text, reward = _clean_action(action), 0.0
         if text.lower() == "submit":
-            g = grade(self.task.data, self.workdir, self.grade_timeout)
+            try:
+                g = grade(self.task.data, self.workdir, self.grade_timeout)
+            except Exception as exc:  # noqa: BLE001 - no action may make step() raise (envs.py's contract)
+                self.done = True
+                self.info["env_error"] = f"{type(exc).__name__}: {exc}"
+                return env_error_observation(exc), 0.0, True
             reward = self.score(g.resolved, self.num_steps)
             self.info.update(resolved=g.resolved, success=float(g.resolved), f2p_frac=g.f2p_frac,
                              solved_step=self.num_steps if g.resolved else 0)
             self.done = True
             f2p = self.task.data["FAIL_TO_PASS"]
             broke = " but some previously passing tests now fail" if g.f2p_frac == 1 and not g.resolved else ""
+            refused = f" Not graded: {g.error}." if g.error.startswith("refused") else ""
             obs = (f"Submitted. Hidden tests: {round(g.f2p_frac * len(f2p))} of {len(f2p)} failing tests now pass"
-                   f"{broke}. Resolved: {'yes' if g.resolved else 'no'}. Score {reward:.3f}.")
+                   f"{broke}. Resolved: {'yes' if g.resolved else 'no'}. Score {reward:.3f}.{refused}")
             return obs, reward, True
         if not text or "\x00" in text:
             obs = ("Invalid action: give one shell command or `submit`.\n"

@@ -26,7 +26,8 @@ class Sample:
     score: float
     success: float
     finish: str                     # "done" | "turns" | "error"
-    error: str = ""                 # why it failed (environment raised, rollout crashed, ...); "" = fine
+    error: str = ""                 # why it could not run (reset raised, rollout crashed, ...); "" = fine
+    env_error: str = ""             # the environment raised on an action: ended there with score 0, trained on
     rows: list = field(default_factory=list)   # (tokens, loss_mask, logprobs, sampling temperature), one per context
     num_turns: int = 0
     num_resets: int = 0
@@ -46,8 +47,8 @@ def to_samples(episodes, names, version: int, worker: int, batch_s: float, envs_
         rows = [(r.tokens, r.loss_mask, r.logprobs, r.temperature) for r, _ in kept]
         resets = reset_outcomes(envs_[i]) if envs_ is not None and hasattr(envs_[i], "resets") else []
         out.append(Sample(env=name, task_id=ep.task.id, version=version, worker=worker, score=float(ep.score),
-                          success=0.0 if ep.error else float(ep.info.get("success", 0.0)), finish=ep.finish,
-                          error=ep.error, rows=rows, num_turns=ep.num_turns, num_resets=ep.num_resets,
+                          success=0.0 if ep.error or ep.env_error else float(ep.info.get("success", 0.0)),
+                          finish=ep.finish, error=ep.error, env_error=ep.env_error, rows=rows, num_turns=ep.num_turns, num_resets=ep.num_resets,
                           gen_tokens=sum(sum(r[1]) for r in rows), gen_s=batch_s / max(len(episodes), 1),
                           reset_log=resets, memory_tokens=[f for _, f in kept]))
     return out

@@ -47,6 +47,7 @@ from generate import generate
 ACTION_RE = re.compile(r"<action>(.*?)</action>", re.DOTALL)
 MEMORY_HEADER = "[Memory of what you've learned so far]"
 CONTINUATION_PATH = ".agent_memory/CONTINUATION.md"
+MEMORY_LIST_CHARS = 1500   # memory file paths a prompt lists, in characters (a flood of files is cut, counted)
 
 ACTOR_SYSTEM = (
     "You are an agent solving a task step by step. After each observation, think briefly, then "
@@ -93,7 +94,8 @@ class Episode:
     num_unsaved_resets: int = 0       # resets with no room left to ask for the continuation file
     done: bool = False
     finish: str = ""                  # "done" | "turns" | "error"
-    error: str = ""                   # why an episode failed (environment raised, ...)
+    error: str = ""                   # why an episode could not run (reset raised, ...): not trained on
+    env_error: str = ""               # the environment raised on an action: the episode ended there, reward 0
     memory: str = ""                  # the memory the actor was given
     actions: list[str] = field(default_factory=list)
     observations: list[str] = field(default_factory=list)  # observations[0] is the task
@@ -224,6 +226,23 @@ def first_user_turn(obs: str, memory: str) -> str:
     return f"{MEMORY_HEADER}\n{memory.strip() or '(empty)'}\n\n{obs}"
 
 
+def safe_text(text: str) -> str:
+    """Text a tokenizer accepts: a lone surrogate (a file name that is not UTF-8, decoded with
+    surrogateescape) becomes a backslash escape instead of making the tokenizer raise."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def list_paths(paths: list[str], max_chars: int = MEMORY_LIST_CHARS) -> str:
+    """The paths joined by ", ", at most max_chars characters: a flood of files ends in "... and N more"."""
+    shown, used = [], 0
+    for i, p in enumerate(paths):
+        if used + len(p) + 2 > max_chars - 24:   # room for the count
+            return ", ".join(shown + [f"... and {len(paths) - i:,} more"])
+        shown.append(p)
+        used += len(p) + 2
+    return ", ".join(shown)
+
+
 def budget_line(turns_left: int, max_turns: int) -> str:
     return f"[{turns_left} of {max_turns} turns remaining]"
 
@@ -322,7 +341,7 @@ def agent_loop(fmt, replies, env, tasks, memory, *, max_turns, max_new_tokens, c
     envs_ = list(env) if isinstance(env, (list, tuple)) else [env] + [env.clone() for _ in tasks[1:]]
     owned = [] if isinstance(env, (list, tuple)) else envs_[1:]
     assert len(envs_) == len(tasks), f"{len(envs_)} environments for {len(tasks)} tasks"
-    memories = list(memory) if isinstance(memory, (list, tuple)) else [memory] * len(tasks)
+    memories = [safe_text(m) for m in (memory if isinstance(memory, (list, tuple)) else [memory] * len(tasks))]
     max_turns = max_turns or envs_[0].max_steps
     pool = ThreadPoolExecutor(max_workers=min(num_threads, len(tasks)))
     tokenizer = fmt.tok
@@ -335,8 +354,8 @@ def agent_loop(fmt, replies, env, tasks, memory, *, max_turns, max_new_tokens, c
         if isinstance(res, Exception):
             ep.done, ep.finish, ep.error = True, "error", f"reset: {res!r}"
         else:
-            ep.observations.append(res)
-            _append(ep, fmt.prompt(system_prompt, first_user_turn(res, memories[i])), 0)
+            ep.observations.append(safe_text(res))
+            _append(ep, fmt.prompt(system_prompt, first_user_turn(ep.observations[0], memories[i])), 0)
             if len(ep.tokens) + max_new_tokens > context_budget:
                 ep.done, ep.finish, ep.error = True, "error", "context budget smaller than the task prompt"
         eps.append(ep)
@@ -368,15 +387,18 @@ def agent_loop(fmt, replies, env, tasks, memory, *, max_turns, max_new_tokens, c
             ep, (reply, ended) = eps[i], texts[i]
             action = parse_action(fmt.answer(reply))
             ep.actions.append(action if action is not None else "")
-            if isinstance(res, Exception):                 # the environment raised: record, never crash
-                ep.done, ep.finish, ep.error = True, "error", f"step: {res!r}"
-                continue
+            if isinstance(res, Exception):   # the environment raised on this action: the episode ends here with
+                # reward 0 and is trained on like any other (dropping it would let a policy escape a penalty)
+                ep.env_error = f"step: {res!r}"
+                res = (f"The environment failed on this action ({type(res).__name__}); the episode ends with "
+                       "reward 0.", 0.0, True)
             if res is None:
                 ep.num_format_errors += 1
                 obs, reward, done = ("Invalid format. End your reply with exactly one action: "
                                      "<action>...</action>"), 0.0, False
             else:
                 obs, reward, done = res
+                obs = safe_text(obs)
             ep.score += float(reward)
             ep.observations.append(obs)
             if done or ep.num_turns >= max_turns:
@@ -451,9 +473,9 @@ def _mechanical_reset(fmt, ep, env, system_prompt, max_new_tokens, context_budge
     ep.reset_pending = False
     files = getattr(env, "memory_files", None)
     paths = sorted(files().keys()) if callable(files) else []
-    paths = [p if p.startswith(".agent_memory") else f".agent_memory/{p}" for p in paths] or [CONTINUATION_PATH]
+    paths = [safe_text(p if p.startswith(".agent_memory") else f".agent_memory/{p}") for p in paths] or [CONTINUATION_PATH]
     note = (f"Your context was reset. First read back what you saved: <action>shell: cat {CONTINUATION_PATH}</action>"
-            " Memory files: " + ", ".join(paths))
+            " Memory files: " + list_paths(paths))
     ep.tokens = fmt.prompt(system_prompt, first_user_turn(ep.observations[0], ep.memory) + "\n\n" + note)
     ep.loss_mask = [0] * len(ep.tokens)
     ep.logprobs = [0.0] * len(ep.tokens)

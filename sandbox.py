@@ -29,25 +29,30 @@ unprivileged user namespace):
 - a filesystem built from an allowlist: a new root (a read-only tmpfs, entered with pivot_root)
   holding the system directories (/usr, /bin, /lib*, /sbin, /etc), the running interpreter (its
   prefixes, the real directory of its executable and its site-packages, each at its own path:
-  a venv under /tmp works, pyenv shows its one version under an otherwise empty $HOME), `ro_paths`
-  at their own path, `mounts` at neutral paths (all read-only), a fresh /proc, a minimal /dev,
-  private /tmp and /dev/shm tmpfs, and the workspace (the only writable host directory, at its own
-  path). Nothing else of the host is there: not the project's source, data or caches, not $HOME,
-  not the host's /tmp;
+  a venv under /tmp works, and one reached through a link shows at the link's path too; pyenv shows
+  its one version under an otherwise empty $HOME), `ro_paths` at their own path, `mounts` at neutral
+  paths (all read-only), `hide` paths shown empty, a fresh /proc, a minimal /dev, private /tmp and
+  /dev/shm tmpfs, and the workspace (the only writable host directory, at its own path). Nothing
+  else of the host is there: not the project's source, data or caches, not $HOME, not the host's
+  /tmp. /proc/self/mountinfo names each mount's host path, so a mount's host path must not tell
+  where anything else lies;
 - an unreachable helper: it is PID 1 of its own PID namespace and non-dumpable, and /proc hides
   it (hidepid), so a command cannot read its command line or write to its stdin; a stray line on
   that pipe is skipped all the same;
-- no network: a network namespace with only a downed loopback, unless network=True;
+- no network: a network namespace with only a downed loopback, unless network=True; a private IPC
+  namespace (no SysV shared memory or message queue outlives the sandbox);
 - limits: a timeout (exit code 124; reached even when a command closed its output), process and
   memory limits through a cgroup (v1 or v2, needs root) when one can be made, else RLIMIT_NPROC
   for a non-root user or the per-namespace `kernel.pid_max` (Linux >= 6.14) for root, and
-  RLIMIT_AS for memory; RLIMIT_FSIZE (one file), RLIMIT_CPU (CPU time per process), a disk quota on
-  the workspace (`disk_mb`, measured every sandbox_helper.QUOTA_CHECK_S and after each command: over it, the
-  command is stopped and later commands may delete but grow no file until it is back under), and
-  size-limited tmpfs for /tmp and /dev/shm;
+  RLIMIT_AS for memory; RLIMIT_FSIZE (one file), RLIMIT_CPU (CPU time per process), a quota on
+  the workspace: `disk_mb` of apparent size (a sparse file counts what it claims), `max_files`
+  entries and MAX_DEPTH levels, measured every sandbox_helper.QUOTA_CHECK_S and before and after
+  each command: over it, the command is stopped and later commands may delete but grow no file (and,
+  with Landlock, make none) until it is back under; and size-limited tmpfs for /tmp and /dev/shm;
 - output capped (head and tail) and sanitised: terminal escape sequences removed, \r made \n,
   NUL and other control characters replaced; a command with a NUL byte or over MAX_COMMAND_BYTES
-  is not run (exit code 126, the output says why).
+  is not run (exit code 126, the output says why), and neither is one that cannot start (126): no
+  command makes run() raise (`chmod 000 .` is undone before the next command).
 As PID 1, the helper ends every other process of its namespace with one `kill(-1, SIGKILL)` after
 each command, so `setsid`, double forks and ignored SIGTERM do not help a process to survive.
 `sb.mode` and `sb.describe()` say what is active.
@@ -102,6 +107,7 @@ HELPER = str(Path(__file__).resolve().with_name("sandbox_helper.py"))   # its sc
 GRACE_S = 10.0  # extra wait for the helper's reply beyond a command's timeout before declaring it dead
 MAX_COMMAND_BYTES = 100_000   # a longer command is refused (the kernel caps one exec argument at 128 KiB)
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")   # as the host has them
+MAX_DEPTH = 128   # directory levels a workspace may hold (deeper trees break host walks; they count as over quota)
 
 
 @dataclass
@@ -237,14 +243,19 @@ def _allowlist(ro_paths, mounts: list) -> tuple[list, list]:
         elif os.path.isdir(d):
             same_path.append(d)
     same_path += [os.path.realpath(p) for p in (*interpreter_paths(), *ro_paths)]
-    kept = []
-    for p in sorted(set(same_path)):   # sorted: a parent comes before what it contains
+    # an interpreter reached through a link (a venv linked from the temp dir) is shown at the link's path too,
+    # since sys.executable and sys.prefix name that path
+    linked = {os.path.abspath(p): os.path.realpath(p) for p in interpreter_paths()
+              if os.path.abspath(p) != os.path.realpath(p)}
+    kept, binds = [], {}
+    for p in sorted(set(same_path) | set(linked)):   # sorted: a parent comes before what it contains
         if not any(p.startswith(q.rstrip("/") + "/") for q in kept):
             kept.append(p)
+            binds[p] = linked.get(p, p)
     for inside, _ in mounts:   # a mount point inside a read-only bind could not be made
         under = [q for q in kept if inside == q or inside.startswith(q.rstrip("/") + "/")]
         assert not under, f"mounts: {inside!r} lies inside {under[0]}, which a sandbox shows already; choose a neutral path such as /opt/deps"
-    return [(p, p, False) for p in kept] + [(inside, host, False) for inside, host in mounts], symlinks
+    return [(p, binds[p], False) for p in kept] + [(inside, host, False) for inside, host in mounts], symlinks
 
 
 def _check_mounts(mounts: dict) -> list[tuple[str, str]]:
@@ -267,23 +278,27 @@ class Sandbox:
 
     def __init__(self, timeout: float = 30.0, workdir=None, network: bool = False, env: dict | None = None,
                  memory_mb: int = 4096, max_output: int = 32768, max_procs: int = 256,
-                 max_file_mb: int = 512, cpu_seconds: int = 600, disk_mb: int = 1024, protect_host: bool = True,
-                 isolation: str = "auto", ro_paths=(), mounts: dict | None = None):
+                 max_file_mb: int = 512, cpu_seconds: int = 600, disk_mb: int = 1024, max_files: int = 100_000,
+                 protect_host: bool = True, isolation: str = "auto", ro_paths=(), mounts: dict | None = None,
+                 hide=()):
         """timeout: default seconds per run(); workdir: reuse this directory (kept on close) instead
         of a fresh temporary one (removed on close); network: allow network access; env: extra
         environment variables; memory_mb: memory of all processes together (per process under the
         RLIMIT_AS fallback); max_output: bytes of output kept (half head, half tail); max_procs:
         processes+threads at once; max_file_mb: largest file a command may write (and the size of
-        the private /tmp); cpu_seconds: CPU time per process; disk_mb: quota of the workspace;
+        the private /tmp); cpu_seconds: CPU time per process; disk_mb: quota of the workspace (apparent
+        size); max_files: entries (files, directories, links) the workspace may hold;
         protect_host: build the filesystem from the allowlist (namespace modes only); isolation:
         "auto", or force "namespace" / "userns" / "subreaper"; ro_paths: more host paths to show
         read-only at their own path; mounts: {path inside: host path} to show read-only at a neutral
-        path, e.g. {"/opt/deps": cache_dir} (then put /opt/deps on PYTHONPATH through env)."""
+        path, e.g. {"/opt/deps": cache_dir} (then put /opt/deps on PYTHONPATH through env); hide: host
+        paths inside the allowlist to show empty (a directory) or as /dev/null (a file), e.g. vendored
+        copies of what a task asks to write."""
         assert timeout > 0, f"timeout must be positive seconds, got {timeout}"
         assert max_output >= 64, f"max_output must be at least 64 bytes, got {max_output}"
         assert max_procs >= 4, f"max_procs must be at least 4 (the helper, bash and a pipe), got {max_procs}"
-        assert memory_mb >= 64 and max_file_mb >= 1 and cpu_seconds >= 1 and disk_mb >= 1, \
-            "memory_mb, max_file_mb, cpu_seconds, disk_mb too small"
+        assert memory_mb >= 64 and max_file_mb >= 1 and cpu_seconds >= 1 and disk_mb >= 1 and max_files >= 16, \
+            "memory_mb, max_file_mb, cpu_seconds, disk_mb, max_files too small"
         env = dict(env or {})
         for k, v in env.items():
             assert isinstance(k, str) and isinstance(v, str) and "=" not in k, f"env must map str to str, got {k!r}: {v!r}"
@@ -321,7 +336,7 @@ class Sandbox:
             else:
                 self.limits["procs"] = "none (root without cgroups: a fork bomb is not contained)"
                 warnings.warn("sandbox: running as root without a writable cgroup; process count is not limited")
-        self.limits["disk"] = f"{disk_mb} MB workspace quota"
+        self.limits["disk"] = f"{disk_mb} MB workspace quota, {max_files:,} entries, {MAX_DEPTH} levels"
         if isolation == "subreaper" and (not network or protect_host):
             warnings.warn("sandbox: no namespaces on this machine; commands can reach the network and read and "
                           "write anywhere this user may (isolation='subreaper')")
@@ -336,7 +351,8 @@ class Sandbox:
         self._config = {"workdir": str(self.workdir), "mode": isolation, "rlimits": rlimits, "bash": bash,
                         "cpu_seconds": cpu_seconds, "cgroups": [str(d) for d in self._cgroups], "pid_max": pid_max,
                         "new_root": self.protect_host, "tmp_mb": max_file_mb, "disk_bytes": disk_mb << 20,
-                        "binds": binds, "symlinks": symlinks}
+                        "max_files": max_files, "max_depth": MAX_DEPTH, "binds": binds, "symlinks": symlinks,
+                        "hide": [(os.path.realpath(p), os.path.isdir(p)) for p in hide if os.path.lexists(p)]}
         self._lock = threading.Lock()   # one command at a time per sandbox; sandboxes run side by side
         self._proc, self._proc_box = None, [None]   # the box is shared with the finalizer, which must not hold self
         # cleanup even if the caller forgets close(): ends the helper and removes what we created
@@ -353,7 +369,7 @@ class Sandbox:
         argv = [sys.executable, "-I", "-S", HELPER, "--serve"]
         if self.mode in ("namespace", "userns"):
             flags = ["--user", "--map-root-user"] if self.mode == "userns" else []
-            flags += ["--pid", "--fork", "--kill-child", "--mount-proc"] + ([] if self.network else ["--net"])
+            flags += ["--pid", "--ipc", "--fork", "--kill-child", "--mount-proc"] + ([] if self.network else ["--net"])
             argv = ["unshare", *flags, *argv]
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=self.workdir,
                                 env={"PATH": self._env["PATH"], "LANG": "C.UTF-8"}, start_new_session=True)
@@ -430,8 +446,8 @@ class Sandbox:
                 _kill_cgroups(self._cgroups)
                 self._start_helper()
                 return RunResult(137, "[sandbox: the shell was killed; its helper was restarted]", False, False)
-            if "error" in reply:
-                raise RuntimeError(f"sandbox helper could not run the command: {reply['error']}")
+            if "error" in reply:   # the helper survived; what the command did must not make run() raise
+                return RunResult(126, f"[sandbox: the command could not run: {reply['error']}]\n", False, False)
             return RunResult(reply["exit_code"], reply["output"], reply["timed_out"], reply["truncated"])
 
     # ------------------------------------------------------------------------- file tools
@@ -493,7 +509,22 @@ def _cleanup(proc_box, cgroups, temp_workdir) -> None:
         _stop_helper(proc_box[0])
     _remove_cgroups(cgroups)
     if temp_workdir is not None:
-        shutil.rmtree(temp_workdir, ignore_errors=True)
+        remove_tree(temp_workdir)
+
+
+def remove_tree(*paths) -> None:
+    """Remove what commands left at paths, whatever it is: never through a link, at any depth (Python's
+    rmtree recurses and fails past ~1,000 levels), whatever the modes (`chmod 000` on a directory is
+    undone first). GNU rm walks with directory descriptors, so no path length limit applies."""
+    paths = [str(p) for p in paths if os.path.lexists(p)]
+    if not paths:
+        return
+    rm = ["rm", "-rf", "--one-file-system", "--", *paths]
+    if subprocess.run(rm, stdin=subprocess.DEVNULL, capture_output=True).returncode != 0:
+        # -R changes no link and follows none (GNU chmod's default -P); a top-level link is left alone
+        real = [p for p in paths if not os.path.islink(p)]
+        subprocess.run(["chmod", "-R", "u+rwx", "--", *real], stdin=subprocess.DEVNULL, capture_output=True)
+        subprocess.run(rm, stdin=subprocess.DEVNULL, capture_output=True)
 
 
 @functools.lru_cache(maxsize=None)

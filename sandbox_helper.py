@@ -78,51 +78,77 @@ class _Capture:
 # ----------------------------------------------------------------------------- the disk quota
 
 class _DiskQuota:
-    """The workspace's size against a limit. Walking a big workspace costs milliseconds, so a walk
-    happens only when the free space of the workspace's filesystem has shrunk by more than the
-    headroom left (one statvfs call otherwise); the verdict always comes from a walk."""
+    """The workspace against its limits: bytes (apparent size), entries (inodes) and depth. A file counts
+    its size or its blocks, whichever is more: a sparse file counts what it claims, since a copy writes it
+    out in full. Measured by a walk before and after each command and every QUOTA_CHECK_S while one runs."""
 
-    def __init__(self, path: str, limit: int):
-        self.path, self.limit = path, limit
-        self.used, self.free = _disk_usage(path), _free_bytes(path)
+    def __init__(self, path: str, limit: int, max_entries: int, max_depth: int):
+        self.path, self.limit, self.max_entries, self.max_depth = path, limit, max_entries, max_depth
+        self.used = self.entries = self.depth = 0
 
     def over(self) -> bool:
-        free = _free_bytes(self.path)
-        if self.used + (self.free - free) <= self.limit:
-            return False
-        self.used, self.free = _disk_usage(self.path), free
-        return self.used > self.limit
+        self.used, self.entries, self.depth = _disk_usage(self.path, self.max_entries, self.max_depth)
+        return self.used > self.limit or self.entries > self.max_entries or self.depth > self.max_depth
+
+    def why(self) -> str:
+        if self.used > self.limit:
+            return f"the workspace holds {self.used >> 20} MB (apparent size), over its {self.limit >> 20} MB quota"
+        if self.entries > self.max_entries:
+            return f"the workspace holds over {self.max_entries:,} entries (files and directories), over its limit"
+        return f"the workspace is over {self.max_depth} levels deep, over its limit"
 
 
-def _free_bytes(path: str) -> int:
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
+def _open_dir(name: str, dir_fd: int | None) -> int:
+    """A directory below dir_fd, never through a link; `chmod 000 dir` must not hide what it holds (commands
+    run as our uid, so we may undo it)."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(name, flags, dir_fd=dir_fd)
+    except PermissionError:
+        os.chmod(name, 0o700, dir_fd=dir_fd)
+        return os.open(name, flags, dir_fd=dir_fd)
 
 
-def _disk_usage(path: str) -> int:
-    """Bytes allocated under path (st_blocks, so sparse files count what they use), links not followed."""
-    total, todo = 0, [path]
-    while todo:
-        d = todo.pop()
-        try:
-            entries = list(os.scandir(d))
-        except PermissionError:   # `chmod 000 dir` must not hide files: commands run as our uid, so we may undo it
+def _disk_usage(path: str, max_entries: int, max_depth: int) -> tuple[int, int, int]:
+    """(apparent bytes, entries, depth) under path, links not followed. Each directory is opened relative to
+    its parent (no path-length limit) and only the current branch holds descriptors; the walk stops going
+    down once it passes max_entries or max_depth (the verdict is known then)."""
+    total = entries = depth = 0
+    try:
+        stack = [(_open_dir(path, None), None)]   # (directory fd, its subdirectories still to walk)
+    except OSError:
+        return 0, 0, 0
+    while stack:
+        fd, pending = stack[-1]
+        if pending is None:   # first visit: sizes now, subdirectories for later
+            pending = []
+            stack[-1] = (fd, pending)
+            depth = max(depth, len(stack) - 1)
             try:
-                os.chmod(d, 0o700)
-                entries = list(os.scandir(d))
+                with os.scandir(fd) as it:
+                    for e in it:
+                        entries += 1
+                        try:
+                            if e.is_dir(follow_symlinks=False):
+                                pending.append(e.name)
+                            else:
+                                st = e.stat(follow_symlinks=False)
+                                total += max(st.st_size, st.st_blocks * 512)
+                        except OSError:
+                            continue
             except OSError:
-                continue
-        except OSError:
+                pass
+        if pending and len(stack) > max_depth:
+            depth = max_depth + 1
+        elif pending and entries <= max_entries:
+            try:
+                stack.append((_open_dir(pending.pop(), fd), None))
+            except OSError:
+                pass
             continue
-        for e in entries:
-            try:
-                st = e.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            total += st.st_blocks * 512
-            if e.is_dir(follow_symlinks=False):
-                todo.append(e.path)
-    return total
+        os.close(fd)
+        stack.pop()
+    return total, entries, depth
 
 
 # ----------------------------------------------------------------------------- ending what a command left behind
@@ -187,18 +213,35 @@ def _end_leftovers(mode: str) -> None:
 
 def _no_growth() -> None:
     """preexec_fn of a command run over quota: no file may grow; a write fails ("File too large")
-    instead of killing the writer, so `rm` later in the same command still runs."""
+    instead of killing the writer, so `rm` later in the same command still runs. Where Landlock is
+    available (Linux >= 5.13), nothing new may be made either (files, directories, links, nodes)."""
     resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # an ignored signal stays ignored across exec
+    SYS_landlock_create_ruleset, SYS_landlock_restrict_self = 444, 446   # the same on every architecture
+    MAKE_ANYTHING = 0x1FC0   # LANDLOCK_ACCESS_FS_MAKE_{CHAR,DIR,REG,SOCK,FIFO,BLOCK,SYM}
+    attr = struct.pack("Q", MAKE_ANYTHING)   # handled, and no rule allows them: denied everywhere
+    ruleset = _LIBC.syscall(SYS_landlock_create_ruleset, attr, len(attr), 0)
+    if ruleset >= 0:   # no_new_privs is set already (the helper's own)
+        _LIBC.syscall(SYS_landlock_restrict_self, ruleset, 0)
+        os.close(ruleset)
 
 
 def _run_one(req: dict, config: dict, quota: _DiskQuota) -> dict:
     capture = _Capture(req["max_output"])
     # over quota: this command may delete and truncate, but no file may grow (a full fork, rare)
     full = quota.over()
-    proc = subprocess.Popen([config["bash"], "-c", req["cmd"]], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, cwd=config["workdir"], env=req["env"], start_new_session=True,
-                            preexec_fn=_no_growth if full else None)
+    at_start = (quota.used, quota.entries, quota.depth)
+    workdir = config["workdir"]
+    mode = os.stat(workdir).st_mode
+    if mode & 0o700 != 0o700:   # `chmod 000 .` must not stop every later command from starting
+        os.chmod(workdir, mode | 0o700)
+    try:
+        proc = subprocess.Popen([config["bash"], "-c", req["cmd"]], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, cwd=workdir, env=req["env"], start_new_session=True,
+                                preexec_fn=_no_growth if full else None)
+    except (OSError, subprocess.SubprocessError) as e:
+        return {"id": req["id"], "exit_code": 126, "output": f"[sandbox: the command could not start: {e}]\n",
+                "timed_out": False, "truncated": False}
     fd = proc.stdout.fileno()
     now = time.monotonic()
     deadline, next_quota_check = now + req["timeout"], now + QUOTA_CHECK_S
@@ -215,7 +258,9 @@ def _run_one(req: dict, config: dict, quota: _DiskQuota) -> dict:
             break
         if now >= next_quota_check:
             next_quota_check = now + QUOTA_CHECK_S
-            if quota.over():
+            # over the quota: stopped, unless it started over and has not grown since (it is deleting)
+            if quota.over() and (not full or any(now > then for now, then in
+                                                 zip((quota.used, quota.entries, quota.depth), at_start))):
                 stopped = "quota"
                 break
         events = dict(poller.poll(min(deadline - now, 0.05) * 1000))   # without a pidfd, look every 50 ms
@@ -243,8 +288,8 @@ def _run_one(req: dict, config: dict, quota: _DiskQuota) -> dict:
         os.close(pidfd)
     output, truncated = capture.text()
     if stopped == "quota" or quota.over():
-        output += (f"\n[sandbox: the workspace uses {quota.used >> 20} MB, over its {quota.limit >> 20} MB quota"
-                   f"{'; the command was stopped' if stopped else ''}; until files are deleted no file may grow]\n")
+        output += (f"\n[sandbox: {quota.why()}{'; the command was stopped' if stopped else ''}; "
+                   "until files are deleted no file may grow or be made]\n")
     code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
     return {"id": req["id"], "exit_code": 124 if stopped == "timeout" else code, "output": output,
             "timed_out": stopped == "timeout", "truncated": truncated}
@@ -319,6 +364,15 @@ def _build_root(config: dict) -> None:
         attrs = MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | (0 if writable else MOUNT_ATTR_RDONLY)
         _bind(fd, root + inside, is_dir, attrs)
         os.close(fd)
+    for inside, is_dir in config["hide"]:   # covered by an empty read-only tmpfs, or by /dev/null for a file
+        target = root + inside
+        if not os.path.lexists(target):
+            continue
+        if is_dir:
+            _mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, "size=4k,mode=0555")
+        else:
+            _mount("/dev/null", target, None, MS_BIND)
+            _mount_setattr(target, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, recursive=False)
     for d in ("/dev", ""):   # the skeleton itself goes read-only last (its own mount only)
         _mount_setattr(root + d, MOUNT_ATTR_RDONLY, recursive=False)
     os.chdir(root)
@@ -399,7 +453,7 @@ def serve() -> None:
     # a handler, not SIG_IGN: as PID 1 we must not die of a command's `kill -INT 1`, and handlers
     # (unlike SIG_IGN) are reset at exec, so commands still get the default SIGINT
     signal.signal(signal.SIGINT, lambda *_: None)
-    quota = _DiskQuota(config["workdir"], config["disk_bytes"])
+    quota = _DiskQuota(config["workdir"], config["disk_bytes"], config["max_files"], config["max_depth"])
     reply({"ready": True})
     for line in sys.stdin.buffer:
         try:

@@ -3,7 +3,8 @@
 - `Task`: one task of any environment (its id, group, split, difficulty and payload).
 - the memory folder `.agent_memory/` of a shell workspace: `read_memory` / `write_memory` and
   `read_workspace_file`, which read and replace it from the host without following a link the
-  agent planted;
+  agent planted, bounded whatever the folder holds (names escaped by `shown_name`); `copy_tree`,
+  the grader's copy of a workspace tree (no link followed, capped by apparent size);
 - `Workspace`: the shell workspace of one env instance, a directory and a sandbox on it, with the
   memory rule between tasks (`keep_memory`) and the agent's view of a command (`shell`);
 - `WorkspaceEnv`: that part of the env contract (workdir, memory files, keep_memory, clone, close),
@@ -17,7 +18,6 @@ The contract these serve is in envs.py's docstring.
 import math
 import os
 import re
-import shutil
 import stat
 import tempfile
 import weakref
@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from sandbox import MAX_DEPTH, Sandbox, remove_tree, sanitize
 
 MEMORY_DIR = ".agent_memory"
 
@@ -43,6 +45,11 @@ class Task:
 ECHO_CHARS = 500                # how much of a command Workspace.shell echoes back
 MEMORY_FILE_BYTES = 64 << 10    # a memory file is read up to this size (the rest is dropped)
 MEMORY_TOTAL_BYTES = 256 << 10  # and the whole folder up to this
+MEMORY_MAX_FILES = 200          # files read from the folder (in name order; the rest are not memory)
+MEMORY_NAME_CHARS = 100         # a longer file or directory name (escaped) is skipped
+MEMORY_MAX_DEPTH = 8            # directory levels read below .agent_memory/
+COPY_MAX_BYTES = 256 << 20      # a host-side copy of a workspace tree (grading) holds at most this (apparent size)
+COPY_MAX_ENTRIES = 100_000      # and at most this many entries
 
 
 def _open_in(dir_fd: int, name: str, flags: int) -> int:
@@ -71,45 +78,59 @@ def read_workspace_file(workdir, rel: str, max_bytes: int) -> str | None:
         os.close(fd)
 
 
+def shown_name(name: str) -> str:
+    """A file name as text that is safe anywhere (a prompt, a tokenizer, a dict key): bytes that are not
+    UTF-8 and every character that is not printable (escapes, newlines) are written as backslash escapes."""
+    text = os.fsencode(name).decode("utf-8", "backslashreplace")
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def read_memory(workdir) -> dict:
-    """The memory folder of a workspace as {path relative to .agent_memory/: text}. Only regular
-    files and real directories count (symlinks and anything else are skipped, never followed);
-    each file is read up to MEMORY_FILE_BYTES and the folder up to MEMORY_TOTAL_BYTES."""
-    files, budget = {}, [MEMORY_TOTAL_BYTES]
-
-    def walk(dir_fd: int, prefix: str) -> None:
-        with os.scandir(dir_fd) as it:
-            entries = sorted(it, key=lambda e: e.name)
-        for e in entries:
-            if budget[0] <= 0:
-                return
-            try:
-                if e.is_dir(follow_symlinks=False):
-                    fd = _open_in(dir_fd, e.name, os.O_RDONLY | os.O_DIRECTORY)
-                    try:
-                        walk(fd, f"{prefix}{e.name}/")
-                    finally:
-                        os.close(fd)
-                elif e.is_file(follow_symlinks=False):
-                    fd = _open_in(dir_fd, e.name, os.O_RDONLY | os.O_NONBLOCK)
-                    try:
-                        if stat.S_ISREG(os.fstat(fd).st_mode):   # still the regular file scandir saw
-                            data = os.read(fd, min(MEMORY_FILE_BYTES, budget[0]))
-                            budget[0] -= len(data)
-                            files[prefix + e.name] = data.decode(errors="replace")
-                    finally:
-                        os.close(fd)
-            except OSError:   # swapped for a link, removed, unreadable: skipped
-                continue
-
+    """The memory folder of a workspace as {path relative to .agent_memory/: text}. Only regular files
+    and real directories count (symlinks and anything else are skipped, never followed). Bounded
+    whatever the folder holds: names are shown escaped (shown_name) and a longer one than
+    MEMORY_NAME_CHARS is skipped, at most MEMORY_MAX_FILES files in name order, MEMORY_MAX_DEPTH levels,
+    MEMORY_FILE_BYTES a file and MEMORY_TOTAL_BYTES in all."""
+    files, budget = {}, MEMORY_TOTAL_BYTES
     try:
         root = os.open(workdir / MEMORY_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:   # missing, or a symlink to somewhere else: no memory
         return {}
+    todo = [(root, "", 0)]   # directories still to read: (fd, key prefix, depth); a stack, no recursion
     try:
-        walk(root, "")
+        while todo:
+            dir_fd, prefix, depth = todo.pop()
+            try:
+                with os.scandir(dir_fd) as it:
+                    entries = sorted(it, key=lambda e: e.name)
+            except OSError:
+                entries = []
+            subdirs = []
+            for e in entries:
+                name = shown_name(e.name)
+                if len(files) >= MEMORY_MAX_FILES or budget <= 0:
+                    break
+                if len(name) > MEMORY_NAME_CHARS:
+                    continue
+                try:
+                    if e.is_dir(follow_symlinks=False) and depth < MEMORY_MAX_DEPTH:
+                        subdirs.append((_open_in(dir_fd, e.name, os.O_RDONLY | os.O_DIRECTORY), f"{prefix}{name}/", depth + 1))
+                    elif e.is_file(follow_symlinks=False):
+                        fd = _open_in(dir_fd, e.name, os.O_RDONLY | os.O_NONBLOCK)
+                        try:
+                            if stat.S_ISREG(os.fstat(fd).st_mode):   # still the regular file scandir saw
+                                data = os.read(fd, min(MEMORY_FILE_BYTES, budget))
+                                budget -= len(data)
+                                files[prefix + name] = data.decode(errors="replace")
+                        finally:
+                            os.close(fd)
+                except OSError:   # swapped for a link, removed, unreadable: skipped
+                    continue
+            os.close(dir_fd)
+            todo += reversed(subdirs)   # depth first, in name order
     finally:
-        os.close(root)
+        for fd, _, _ in todo:
+            os.close(fd)
     return files
 
 
@@ -118,16 +139,95 @@ def write_memory(workdir, files: dict) -> None:
     Whatever the agent left at .agent_memory (a symlink to a host directory included) is removed,
     never followed."""
     mem = workdir / MEMORY_DIR
-    if mem.is_symlink() or (mem.exists() and not mem.is_dir()):
-        mem.unlink()
-    elif mem.exists():
-        shutil.rmtree(mem)   # does not follow symlinks inside
+    remove_tree(mem)
     mem.mkdir()
     for rel, text in files.items():
         path = (mem / rel).resolve()
         assert path.is_relative_to(mem.resolve()), f"memory file {rel!r} escapes {MEMORY_DIR}/"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+        path.write_text(text, errors="backslashreplace")
+
+
+def copy_tree(src_root, rel: str, dst, skip=(), links: bool = True) -> str:
+    """Copy the directory rel of src_root (a workspace the host owns) to dst, as the agent left it but
+    safe for the host: no link is followed on the way to rel or inside it (links are copied as links,
+    or left out if not `links`), only regular files, directories and links are copied (a FIFO or a
+    device is skipped; modes keep their rwx bits only, xattrs are not copied), names in skip
+    are skipped at every level, and the copy is refused past COPY_MAX_BYTES (apparent size: a sparse
+    file counts what it claims, since the copy writes it out) or COPY_MAX_ENTRIES, or MAX_DEPTH levels.
+    Returns "" or why the tree was refused (a one-line observation)."""
+    try:
+        fd = os.open(src_root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)   # the workspace itself is the host's
+    except OSError as e:
+        return f"the workspace cannot be read: {e.strerror}"
+    try:
+        for part in [p for p in rel.split("/") if p not in ("", ".")]:
+            fd, parent = _open_in(fd, part, os.O_RDONLY | os.O_DIRECTORY), fd
+            os.close(parent)
+    except OSError:
+        os.close(fd)
+        return f"{rel}/ is not a directory of the workspace (missing, or reached through a link)"
+    todo, size, count = [(fd, Path(dst), 0)], 0, 0   # directories still to copy; a stack, no recursion
+    try:
+        while todo:
+            dir_fd, out, depth = todo.pop()
+            try:
+                out.mkdir(parents=True, exist_ok=True)
+                with os.scandir(dir_fd) as it:
+                    entries = list(it)
+                count += len(entries)
+                if count > COPY_MAX_ENTRIES or depth > MAX_DEPTH:
+                    return f"refused: {rel}/ holds over {COPY_MAX_ENTRIES:,} entries or {MAX_DEPTH} levels"
+                for e in entries:
+                    if e.name in skip:
+                        continue
+                    try:
+                        if e.is_symlink():
+                            if links:
+                                os.symlink(os.readlink(e.name, dir_fd=dir_fd), out / e.name)
+                        elif e.is_dir(follow_symlinks=False):
+                            todo.append((_open_in(dir_fd, e.name, os.O_RDONLY | os.O_DIRECTORY), out / e.name, depth + 1))
+                        elif e.is_file(follow_symlinks=False):
+                            size += _copy_file(dir_fd, e.name, out / e.name, COPY_MAX_BYTES - size)
+                    except OSError:   # swapped or removed under us: skipped
+                        continue
+            finally:
+                os.close(dir_fd)
+    except _TooBig:
+        return f"refused: {rel}/ holds over {COPY_MAX_BYTES >> 20} MB (apparent size: a sparse file counts in full)"
+    finally:
+        for dir_fd, _, _ in todo:
+            os.close(dir_fd)
+    return ""
+
+
+class _TooBig(Exception):
+    pass
+
+
+def _copy_file(dir_fd: int, name: str, dst: Path, room: int) -> int:
+    """Copy one regular file (never through a link) -> its size; _TooBig when its apparent size passes room."""
+    fd = _open_in(dir_fd, name, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):   # swapped for a FIFO since scandir saw it
+            return 0
+        if st.st_size > room:
+            raise _TooBig
+        with open(dst, "wb") as out:
+            left = st.st_size
+            while left > 0 and (chunk := os.read(fd, min(left, 1 << 20))):
+                out.write(chunk)
+                left -= len(chunk)
+        os.chmod(dst, st.st_mode & 0o755)
+        return st.st_size
+    finally:
+        os.close(fd)
+
+
+def env_error_observation(exc: Exception) -> str:
+    """What the agent sees when the environment fails on its action: the episode ends there, reward 0."""
+    return f"The environment failed on this action ({type(exc).__name__}: {exc}); the episode ends with reward 0."
 
 
 class Workspace:
@@ -137,19 +237,21 @@ class Workspace:
     The directory is made on the first use of `workdir` (listing tasks needs no shell) and removed by
     close() or when the Workspace is garbage-collected. The sandbox starts with the first command, or
     with `start(env)` (which first ends the one running, and every process the last task left there).
-    `clear()` empties the directory for the next task and applies the memory rule, the same in every
-    shell environment: with keep_memory `.agent_memory/` carries over (a stream's file memory),
-    without it the task starts blank; either way, files given to set_memory_files() since the last
-    clear() are what the task starts with (the ablations: blank, shuffled, continuation only).
+    `clear()` ends the sandbox and empties the directory for the next task, then applies the memory
+    rule, the same in every shell environment: with keep_memory the memory folder's regular files carry
+    over (a stream's file memory; nothing else does: not the sandbox's /tmp, not a mode bit or an
+    xattr), without it the task starts blank; either way, files given to set_memory_files() since the
+    last clear() are what the task starts with (the ablations: blank, shuffled, continuation only).
     `shell(cmd)` gives the agent's view of a command: `$ cmd` (its first ECHO_CHARS characters), its
     output capped at `obs_chars` (the head, or the head and tail halves if `keep_tail`), then
     `(exit N)` or `(timed out)` (`(timed out after Ns)` if `say_timeout`); `run(cmd)` the bare
-    RunResult. mounts: {path inside: host path} shown read-only in the sandbox (sandbox.Sandbox)."""
+    RunResult. mounts: {path inside: host path} shown read-only in the sandbox, hide: host paths it shows
+    empty (sandbox.Sandbox)."""
 
     def __init__(self, timeout: float, obs_chars: int = 2000, keep_tail: bool = False, say_timeout: bool = False,
-                 keep_memory: bool = True, mounts: dict | None = None):
+                 keep_memory: bool = True, mounts: dict | None = None, hide=()):
         self.timeout, self.obs_chars, self.keep_tail, self.say_timeout = timeout, obs_chars, keep_tail, say_timeout
-        self.keep_memory, self.mounts = keep_memory, dict(mounts or {})
+        self.keep_memory, self.mounts, self.hide = keep_memory, dict(mounts or {}), tuple(hide)
         self.sandbox, self._workdir, self._remove_workdir, self._memory_given = None, None, None, False
 
     @property
@@ -157,7 +259,7 @@ class Workspace:
         if self._workdir is None:
             self._workdir = Path(tempfile.mkdtemp(prefix="workspace-")).resolve()
             (self._workdir / MEMORY_DIR).mkdir()
-            self._remove_workdir = weakref.finalize(self, shutil.rmtree, self._workdir, True)
+            self._remove_workdir = weakref.finalize(self, remove_tree, self._workdir)
         return self._workdir
 
     def memory_files(self) -> dict:
@@ -168,25 +270,38 @@ class Workspace:
         self._memory_given = True
 
     def clear(self, memory: dict | None = None) -> None:
-        """Delete everything but the memory folder: a fresh workspace for the next task. The memory
-        folder then holds `memory` if given, else what the memory rule (above) says."""
+        """A fresh workspace for the next task: the sandbox ends (its private /tmp and /dev/shm with it)
+        and everything goes but the memory folder's regular files, copied as new files (copy_tree: no
+        link, FIFO, xattr or mode bit but rwx of the agent's survives, at most COPY_MAX_BYTES); the root
+        gets its own mode back and loses its xattrs. The memory folder then holds `memory` if given,
+        else what the memory rule (above) says."""
+        self.stop()
         workdir = self.workdir
-        for p in workdir.iterdir():   # a .agent_memory that is not a real directory (a link) goes too
-            if p.name != MEMORY_DIR or p.is_symlink() or not p.is_dir():
-                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
         if memory is None and not (self.keep_memory or self._memory_given):
             memory = {}
-        if memory is None:
-            (workdir / MEMORY_DIR).mkdir(exist_ok=True)
-        else:
-            write_memory(workdir, memory)
+        os.chmod(workdir, 0o700)
+        try:
+            for attr in os.listxattr(workdir):
+                os.removexattr(workdir, attr)
+        except OSError:   # a filesystem without xattrs
+            pass
+        kept = Path(tempfile.mkdtemp(prefix="workspace-memory-", dir=workdir.parent)) / MEMORY_DIR
+        try:
+            if memory is None and copy_tree(workdir, MEMORY_DIR, kept, links=False):   # refused: over the caps
+                memory = read_memory(workdir)
+            remove_tree(*workdir.iterdir())
+            if memory is None:   # the folder whole, as fresh files and directories
+                os.rename(kept, workdir / MEMORY_DIR)
+            else:
+                write_memory(workdir, memory)
+        finally:
+            remove_tree(kept.parent)
         self._memory_given = False
 
     def start(self, env: dict | None = None) -> None:
         """A fresh sandbox on the workspace now, with env (extra environment variables) for its commands."""
-        from sandbox import Sandbox  # imported late: building tasks needs no shell
         self.stop()
-        self.sandbox = Sandbox(timeout=self.timeout, workdir=self.workdir, env=env, mounts=self.mounts)
+        self.sandbox = Sandbox(timeout=self.timeout, workdir=self.workdir, env=env, mounts=self.mounts, hide=self.hide)
 
     def run(self, command: str):
         """Run a command in the sandbox (started if need be) -> sandbox.RunResult."""
@@ -195,7 +310,6 @@ class Workspace:
         return self.sandbox.run(command)   # its output is sanitised; a NUL or over-long command gets an explanation
 
     def shell(self, command: str) -> str:
-        from sandbox import sanitize
         r = self.run(command)
         out, n = r.output, self.obs_chars
         if len(out) > n and self.keep_tail:  # a program's last lines (its score, its error) matter too
@@ -285,7 +399,13 @@ class ShellTaskEnv(WorkspaceEnv):
         self.info["steps"] = self.steps
         action = (action or "").strip()
         shell = re.match(r"(?:shell|shell_command)\s*:\s*(.*)$", action, re.S | re.I)
-        obs, reward = self._shell(shell.group(1).strip()) if shell else self._act(action), 0.0
+        try:
+            obs = self._shell(shell.group(1).strip()) if shell else self._act(action)
+        except Exception as exc:  # noqa: BLE001 - no action may make step() raise (envs.py's contract)
+            self.done = True
+            self.info["env_error"] = f"{type(exc).__name__}: {exc}"
+            return env_error_observation(exc), 0.0, True
+        reward = 0.0
         if isinstance(obs, tuple):  # the task's last action: (observation, reward)
             obs, reward = obs
             self.done = True

@@ -292,8 +292,10 @@ def test_queue_survives_raising_env_and_timeouts_without_loss(tmp_path, actions_
     queued = [s for b, ok in zip(produced, put_ok) if ok for s in b]
     assert len(received) >= 8 and [s.task_id for s in received] == [s.task_id for s in queued], "episodes lost"
     assert len(resets) == sum(len(b) for b in produced), "every started episode must come back as a Sample"
-    failed = [s for s in received if s.error]
-    assert failed and all(s.env == "shop" and "boom" in s.error and s.finish == "error" for s in failed)
+    # an env that raised on an action ended the episode with score 0: trained on, not failed (issue 30.5)
+    raised = [s for s in received if s.env_error]
+    assert raised and all(s.env == "shop" and "boom" in s.env_error and not s.error and s.score == 0.0 and s.rows
+                          for s in raised)
     timed = [s for s in received if s.env == "coding"]
     assert timed and all(not s.error and s.score == 1.0 for s in timed), "a timed-out command is an observation"
     # a crash of the whole rollout (e.g. generation) still returns every episode, failed with the reason
@@ -311,9 +313,9 @@ def test_learner_trains_through_failures_and_logs_every_episode(tmp_path, action
     eps = jsonl(tmp_path / "run" / "episodes.jsonl")
     train_resets = len(resets) - 2 * 2 * 2                 # minus the evaluation episodes (2 per env, before and after RL)
     assert len(eps) == train_resets, "every training episode must appear in episodes.jsonl"
-    assert {e["used"] for e in eps} <= {"train", "failed", "unused"}
-    assert all(e["error"] == "step: RuntimeError('boom')" for e in eps if e["used"] == "failed")
-    assert sum(e["used"] == "train" for e in eps) == 2 * 2 and all(not e["error"] for e in eps if e["used"] == "train")
+    assert {e["used"] for e in eps} <= {"train", "unused"}, "an episode whose env raised is trained on (score 0)"
+    assert all(e["env_error"] == "step: RuntimeError('boom')" and e["score"] == 0.0 for e in eps if e["env_error"])
+    assert sum(e["used"] == "train" for e in eps) == 2 * 2 and all(not e["error"] for e in eps)
     m = jsonl(tmp_path / "run" / "metrics.jsonl")
     assert len(m) == 2 and m[-1]["grad_norm"] > 0, "rewarded episodes must give a gradient"
 

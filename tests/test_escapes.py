@@ -112,22 +112,29 @@ def test_mounts_show_host_dirs_at_a_neutral_path(tmp_path):
         Sandbox(mounts={"/usr/local/deps": deps})
 
 
-def test_interpreter_under_the_temp_dir(tmp_path):
-    """Issue 15.4: a venv under the system temp dir must run inside the sandbox it starts."""
+@pytest.mark.parametrize("linked", [False, True], ids=["venv", "venv-through-a-link"])
+def test_interpreter_under_the_temp_dir(tmp_path, linked):
+    """Issue 15.4: a venv under the system temp dir must run inside the sandbox it starts. Issue 30.8: so
+    must one reached through a link there (sys.executable names the link's path, which the allowlist held
+    only resolved: exit 127)."""
     venv = Path(tempfile.mkdtemp(prefix="sandbox-venv-", dir=tempfile.gettempdir()))
+    link = Path(tempfile.gettempdir()) / f"{venv.name}-link"
     try:
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)],
                        check=True, timeout=120)
+        if linked:
+            link.symlink_to(venv)
         script = (f"import sys; sys.path.insert(0, {str(PROJECT)!r}); import warnings; warnings.simplefilter('ignore')\n"
                   "from sandbox import Sandbox\n"
                   "with Sandbox(timeout=20) as sb:\n"
                   "    print(sb.run('python -c \"import sys; print(sys.prefix)\"').output.strip())\n"
                   "    print(sb.run(sys.executable + ' -c \"import numpy; print(7)\"').output.strip())\n")
-        r = subprocess.run([str(venv / "bin" / "python"), "-c", script], capture_output=True, text=True,
-                           timeout=120, cwd=tmp_path)
+        r = subprocess.run([str((link if linked else venv) / "bin" / "python"), "-c", script], capture_output=True,
+                           text=True, timeout=120, cwd=tmp_path)
         assert r.returncode == 0, r.stderr
         assert r.stdout.split() == [str(venv.resolve()), "7"], r.stdout
     finally:
+        link.unlink(missing_ok=True)
         subprocess.run(["rm", "-rf", str(venv)])
 
 
@@ -254,3 +261,82 @@ def test_autoresearch_predictions_are_not_read_through_links():
         assert "regular file" in obs and reward == 0.0 and not done
     finally:
         env.close()
+
+
+# ----------------------------------------------------------------------------- round 2 (issue 30)
+
+def test_quota_counts_apparent_size_and_entries():
+    """Issue 30.2 and 30.7: `truncate -s 512M` costs no blocks, and 100k empty files cost no bytes; both
+    now count (apparent size, an entry limit, a depth limit), so the command is stopped and nothing grows."""
+    with Sandbox(timeout=20, disk_mb=8, max_files=500) as sb:
+        r = sb.run("truncate -s 7M a b c")   # each under the file size limit, 21 MB together, no block used
+        assert "over its 8 MB quota" in r.output, r
+        assert "File too large" in sb.run("echo more >> a").output
+        sb.run("rm a b c")
+        r = sb.run("mkdir many && cd many && touch $(seq 1000)")
+        assert "entries" in r.output and "over" in r.output, r
+        r = sb.run("rm -r many; touch new")   # over the limit, nothing new may be made (where Landlock is)
+        assert sb.run("rm -f new; echo ok > g && cat g").output == "ok\n"
+        r = sb.run("python -c \"import os; os.makedirs('/'.join(['d'] * 600))\"")
+        assert "levels deep" in r.output, r
+        sb.run("rm -r d")
+        assert sb.run("echo ok > g && cat g").output == "ok\n"
+
+
+def test_no_command_makes_the_sandbox_raise():
+    """Issue 30.5: after `chmod 000 .` every later command raised "sandbox helper could not run the command"."""
+    with Sandbox(timeout=10) as sb:
+        r = sb.run("chmod 000 .")
+        assert r.exit_code == 0
+        assert sb.run("echo alive").output == "alive\n"
+
+
+@needs_namespaces
+def test_ipc_objects_stay_in_their_sandbox():
+    """Issue 30.6: a SysV shared-memory segment outlives the command that made it; without an IPC namespace
+    of its own, the next task's sandbox (or the host) could read it."""
+    with Sandbox(timeout=10) as a:
+        assert "id" in a.run("ipcmk -M 4096").output
+        assert a.run("ipcs -m").output.count("0x") == 1
+        with Sandbox(timeout=10) as b:
+            assert b.run("ipcs -m").output.count("0x") == 0
+
+
+def _temp_entries():
+    return {p.name for p in Path(tempfile.gettempdir()).iterdir() if p.name.startswith(("workspace-", "sandbox-", "codebase-"))}
+
+
+@pytest.mark.parametrize("name", ["coding", "shop"])
+def test_no_action_makes_an_env_raise_or_leave_files(name):
+    """Issue 30.5: a fifo, 1,500 nested directories (RecursionError in every host walk) and `chmod 000`
+    made memory_files, reset, set_memory_files, submit and close raise, and close left the workspace."""
+    before = _temp_entries()
+    env = envs.make(name)
+    tasks = env.tasks("test")
+    task = next(t for t in tasks if t.group == "tenacity") if name == "coding" else tasks[0]
+    shell = "" if name == "coding" else "shell: "
+    deep = "python -c \"import os; os.makedirs('/'.join(['d'] * 1500))\""
+    try:
+        env.reset(task)
+        # the deep tree goes where the host walks it: the package (grading) or the memory folder (memory_files)
+        for cmd in ["mkfifo .agent_memory/fifo", "mkdir -p locked/inner && chmod 000 locked/inner locked",
+                    f"cd {'tenacity' if name == 'coding' else '.agent_memory'} && {deep}", "chmod 000 ."]:
+            obs, reward, done = env.step(shell + cmd)
+            assert isinstance(obs, str) and not done, obs
+        obs, reward, done = env.step(shell + "echo alive")
+        assert "alive" in obs, obs
+        files = env.memory_files()
+        assert set(files) <= {"fifo"} and all(isinstance(v, str) for v in files.values()), files
+        if name == "coding":
+            obs, reward, done = env.step("submit")
+            assert done and reward == 0.0, obs
+        env.set_memory_files({})
+        env.reset(tasks[1])
+        assert sorted(p.name for p in env.workdir.iterdir() if p.name in ("d", "locked")) == []
+        assert env.workdir.stat().st_mode & 0o777 == 0o700
+        obs, _, _ = env.step(shell + "ls -a .agent_memory; echo alive")
+        assert "alive" in obs, obs
+    finally:
+        env.close()
+    assert _temp_entries() <= before, "close() left files in the temp dir"
+

@@ -111,7 +111,30 @@ def test_format_errors_count_as_turns_and_env_errors_are_recorded():
     assert eps[0].num_format_errors == 5 and eps[0].num_turns == 5
     eps = run_scripted(tok, RaisingEnv(), RaisingEnv().tasks("train")[:2],
                        [lambda o: "x", lambda o: "y"])
-    assert all(ep.finish == "error" and "exploded" in ep.error for ep in eps)
+    # an environment that raises on an action ends the episode there with reward 0 and an observation
+    # that says so; the episode is not an error (issue 30.5: a policy must not escape a penalty that way)
+    assert all(ep.finish == "done" and not ep.error and "exploded" in ep.env_error for ep in eps)
+    assert all(ep.score == 0.0 and "reward 0" in ep.observations[-1] and ep.num_turns == 1 for ep in eps)
+
+
+def test_memory_names_that_are_not_text_never_reach_the_tokenizer():
+    """Issue 30.4: a memory key with a lone surrogate (a file name that is not UTF-8) made the tokenizer
+    raise inside agent_loop, and every episode of the batch was lost."""
+    class BadNames(EchoEnv):
+        def memory_files(self):
+            return {"notes\udcff.md": "x"}
+
+        def reset(self, task):
+            return super().reset(task) + " \udcff"
+
+        def clone(self):
+            return BadNames()
+    _, tok = tiny("qwen3", seed=0)
+    env = BadNames()
+    tasks = env.tasks("train")[:2]
+    eps = run_scripted(tok, env, tasks, [env.reference_policy(t) for t in tasks],
+                       memory="Saved memory files: .agent_memory/notes\udcff.md", context_budget=400)
+    assert all(not ep.error and ep.num_resets >= 1 for ep in eps), [ep.error for ep in eps]
 
 
 def test_reset_protocol_triggers_and_keeps_paths():
