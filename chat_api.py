@@ -19,7 +19,8 @@ Structured replies: `json_schema=` asks the server to follow a JSON schema. Serv
 they accept, so the request steps down a ladder of response formats, on a refusal, until one is
 accepted, and remembers per endpoint where it landed: OpenAI's `json_schema` (OpenAI, vLLM,
 llama.cpp's server), `json_object` with a `schema` (llama-cpp-python's server, which refuses the
-first), plain JSON mode (forces JSON, not the keys), then no response_format at all.
+first with an HTTP 500 that names response_format), plain JSON mode (forces JSON, not the keys),
+then no response_format at all.
 
 Timeouts scale with the request: a CPU server reads a long prompt for tens of seconds, and a
 request abandoned at a fixed timeout keeps the server busy while its retry queues behind it.
@@ -128,8 +129,8 @@ def chat(url, model, messages, *, key_env="OPENAI_API_KEY", timeout=60.0, timeou
     Each try waits request_timeout(timeout, messages, max_tokens, timeout_per_token) seconds.
     json_mode=True asks for `response_format: {"type": "json_object"}`, json_schema= for replies
     that follow that schema (the ladder of response_formats). When the server refuses a
-    response_format (a 4xx that names it, or any other 4xx than a context overflow on the call's
-    first try), the same try is sent again with the next rung, and once a lower rung works the
+    response_format (an error that names it, whatever its status, or any other 4xx than a context
+    overflow on the call's first try), the same try is sent again with the next rung, and once a lower rung works the
     endpoint (url, model) starts there in later calls of this process. After `down_after` tries
     in a row at this URL (over all calls) failed with no answer, EndpointDown is raised."""
     url = url.rstrip("/")
@@ -163,13 +164,16 @@ def chat(url, model, messages, *, key_env="OPENAI_API_KEY", timeout=60.0, timeou
             message, code = _server_error(_body(e))
             status, error = e.code, f"HTTP {e.code}: {message}" + (f" [{code}]" if code else "")
             overflow = bool(set(code.split(",")) & _OVERFLOW_CODES or _OVERFLOW_TEXT.search(message))
-            if overflow or (e.code != 429 and e.code < 500):
+            client_error = e.code != 429 and e.code < 500
+            # llama-cpp-python refuses a response_format it does not know with a 500 that names it
+            if fmt is not None and not overflow and (_FORMAT_TEXT.search(message) or client_error and i == 0):
                 _FAILURES[url] = 0     # the server answered: it is up
-                if fmt is not None and not overflow and (i == 0 or _FORMAT_TEXT.search(message)):
-                    log.warning("%s refused response_format %s (%s); asking with %s", url,
-                                fmt["type"], error, (ladder[rung + 1] or {}).get("type", "none"))
-                    rung += 1
-                    continue             # the same try again, one rung down
+                log.warning("%s refused response_format %s (%s); asking with %s", url,
+                            fmt["type"], error, (ladder[rung + 1] or {}).get("type", "none"))
+                rung += 1
+                continue                 # the same try again, one rung down
+            if overflow or client_error:
+                _FAILURES[url] = 0
                 raise ApiError(f"{error} from {url} (not retried)", status=e.code,
                                message=message, context_overflow=overflow) from None
         except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:

@@ -34,7 +34,7 @@ class Server:
     gets OVERFLOW (so does every writer request with overflow_writer=True); else the reply
     follows the system prompt: the actor answers `<action>end</action>`, the writer MEMORY, and a
     judge prompt gets `judge_reply`. `plan` answers the next requests first ("500" or "ok");
-    response_format types in `refuse` get a 400 that names response_format. `requests` keeps
+    response_format types in `refuse` get llama-cpp-python's 500 that names response_format. `requests` keeps
     (body, HTTP status) of each request."""
 
     def __init__(self, context_chars=10 ** 9, judge_reply=GOOD_JUDGE, overflow_writer=False, plan=(), refuse=()):
@@ -66,8 +66,10 @@ class Server:
         if what == "500":
             return 500, {"error": {"message": "stub failure", "type": "server_error"}}
         fmt = (body.get("response_format") or {}).get("type")
-        if fmt in self.refuse:
-            return 400, {"error": {"message": f"response_format {fmt} is not supported", "type": "invalid_request_error"}}
+        if fmt in self.refuse:          # what llama-cpp-python's server answers (its validation error, as a 500)
+            return 500, {"error": {"message": "1 validation error: {'type': 'literal_error', 'loc': ('body', "
+                                              "'response_format', 'type'), 'msg': \"Input should be 'text' or "
+                                              "'json_object'\"}", "type": "internal_server_error"}}
         messages = body["messages"]
         writer = messages[0]["content"] == WRITER_SYSTEM
         if sum(len(m["content"]) for m in messages) > self.context_chars or (writer and self.overflow_writer):
