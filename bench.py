@@ -243,18 +243,19 @@ class ApiAgent:
                     state["max_tokens"] = max(64, state["max_tokens"] // 2)
                     log.append(f"context full: max_tokens -> {state['max_tokens']}")
                 else:
-                    log.append(f"context full: episode ended at turn {len(log)} with its score so far")
+                    log.append(f"context full: episode ended at turn {state['turn']} with its score so far")
                     return None
 
     def actor(self, memory: str):
         """A policy obs -> action for one task, keeping that task's chat history."""
         from rollout import ACTOR_SYSTEM, first_user_turn, parse_action
         history = [{"role": "system", "content": ACTOR_SYSTEM}]
-        state = {"max_tokens": self.max_tokens, "context_log": [], "ended": False}
+        state = {"max_tokens": self.max_tokens, "context_log": [], "ended": False, "turn": 0}
 
         def policy(obs: str) -> str:
             if state["ended"]:
                 return ""           # the context cannot hold another turn: the env counts the step
+            state["turn"] += 1
             history.append({"role": "user", "content": first_user_turn(obs, memory) if len(history) == 1 else obs})
             reply = self.complete_fitting(history, state)
             if reply is None:

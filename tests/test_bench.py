@@ -292,7 +292,7 @@ def test_api_agent_handles_a_context_overflow(server):
     assert policy.context_log[-3:] == ["context full: dropped the oldest 1 of 1 earlier turns",
                                        "context full: max_tokens -> 256", "context full: max_tokens -> 128"]
     Stub.plan = ["overflow"] * 100                       # nothing left to cut: the episode ends, no error
-    assert policy("obs 9") == "" and "episode ended" in policy.context_log[-1]
+    assert policy("obs 9") == "" and policy.context_log[-1].startswith("context full: episode ended at turn 9 ")
     n = len(Stub.requests)
     assert policy("obs 10") == "" and len(Stub.requests) == n, "no more calls once the context is full"
     with pytest.raises(judge.ApiError) as e:          # other callers still see the server's own message
