@@ -19,7 +19,8 @@ What one (policy, stream) cell measures:
   from-scratch means (rewards.stream_metrics).
 Policies: scripted (each env's reference policy), tiny, smollm2 or an HF checkpoint dir (through our
 engine, `max_turns` turns of `max_new_tokens` tokens: a 135M model on 2 cores cannot afford more),
-and an OpenAI-compatible endpoint (full turn budget, its own chat history per task).
+and an OpenAI-compatible endpoint (the env's full turn budget unless --api-max-turns, its own chat
+history per task; see ApiAgent for what it does when the context is full).
 Streams:
 - alchemy: the fixed Alchemy test stream: AlchemyEnv(seed=0) test worlds, make_stream(order=
   "easy_to_hard", segment=6, seed=0) = world w16, 6 easy tasks (12-11 edges) then 6 hard (8-7 edges);
@@ -39,7 +40,12 @@ resumes; the with-memory run also resumes its memory from the last row).
 Failures: an episode whose environment or endpoint errors is rerun `task_retries` times with
 exponential backoff, then recorded as failed with its reason. A failed run is never scored 0: a task
 counts only when its with-memory run and at least one from-scratch attempt succeeded; the table's
-`failed` column counts the failed runs and `tasks` the counted tasks.
+`failed` column counts the failed runs and `tasks` the counted tasks. A writer that fails keeps the
+old memory (so "with memory" drifts toward "from scratch"): its failures are the `writer failed`
+column and a line under the table. With --api the endpoint is asked once before any work (no
+answer: one line, exit 2); a run stops (exit 2, rows kept) when --api-max-failures tries in a row got
+no answer, and ends with exit 1 when every run of a cell failed. Ctrl-C ends with one line; the rows
+written so far stay and a rerun resumes from them.
 
 Sizing the default (`python bench.py`, printed with its wall time at the end): SmolLM2-135M gets 4 turns
 of 32 tokens per task, a 96-token writer, 2 from-scratch attempts (the paper averages 4: --attempts 4),
@@ -54,7 +60,7 @@ import functools
 import json
 import sys
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from itertools import accumulate
 from pathlib import Path
 
@@ -62,7 +68,7 @@ from tqdm import tqdm
 
 import cli
 import published
-from chat_api import ApiError, chat  # the OpenAI-compatible HTTP client (the judge uses it too)
+from chat_api import ApiError, EndpointDown, chat, check_endpoint  # the OpenAI-compatible HTTP client (the judge uses it too)
 
 STREAMS = ("alchemy", "codebase19", "codebase26", "codebase27", "codebase", "camg")
 CAMG_ENVS = ("shop", "coding", "deepresearch", "autoresearch")
@@ -80,11 +86,18 @@ class Config:
     api: str = field(default="", metadata={"help": "OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1"})
     api_model: str = field(default="", metadata={"help": "model name sent to --api"})
     api_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "env var holding the API key"})
-    api_timeout: float = field(default=60.0, metadata={"help": "seconds per API call"})
+    # a CPU server (llama.cpp, 135M model, 2 busy cores) read ~1,700 prompt tokens in 20-40 s: a fixed
+    # 60 s cut such a request off, and the abandoned request kept the server busy while its retry queued
+    api_timeout: float = field(default=60.0, metadata={"help": "seconds per API call, plus --api-timeout-per-token"})
+    api_timeout_per_token: float = field(default=0.05, metadata={"help": "extra seconds per prompt token (chars/4) "
+                                                                         "and per reply token of a call"})
     api_retries: int = field(default=3, metadata={"help": "API call retries (backoff 1, 2, 4 s ...)"})
     api_max_tokens: int = field(default=512, metadata={"help": "max tokens of one API reply"})
     api_context: int = field(default=0, metadata={"help": "the endpoint's context in tokens (0 = unknown): "
                                                           "replies then ask for at most a quarter of it"})
+    api_max_turns: int = field(default=0, metadata={"help": "turns per task for the API agent (0 = the env's budget)"})
+    api_max_failures: int = field(default=8, metadata={"help": "stop the run after this many API tries in a row "
+                                                               "got no answer"})
     attempts: int = field(default=2, metadata={"help": "from-scratch tries per task, averaged (paper: 4)"})
     max_turns: int = field(default=4, metadata={"help": "turns per task for local models"})
     max_new_tokens: int = field(default=32, metadata={"help": "tokens per local-model turn"})
@@ -129,12 +142,15 @@ class Config:
         for name in ("max_turns", "max_new_tokens", "writer_tokens", "context", "batch", "camg_tasks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-        if self.stream_len < 0 or self.task_retries < 0 or self.api_retries < 0 or self.threads < 0:
-            raise ValueError("--stream-len, --task-retries, --api-retries and --threads must be >= 0")
+        if min(self.stream_len, self.task_retries, self.api_retries, self.threads, self.api_max_turns) < 0:
+            raise ValueError("--stream-len, --task-retries, --api-retries, --threads and --api-max-turns must be >= 0")
+        if self.api_max_failures < 1:
+            raise ValueError("--api-max-failures must be >= 1")
         if self.api_context < 0:
             raise ValueError("--api-context must be >= 0 (0 = unknown)")
         cli.check_number("temperature", self.temperature, lo=0)
         cli.check_number("api_timeout", self.api_timeout, lo=0, lo_open=True)
+        cli.check_number("api_timeout_per_token", self.api_timeout_per_token, lo=0)
 
 
 SPEED_TABLES = """the ablation tables (train and evaluate each variant, 3 seeds, resumable; ablations.py):
@@ -170,11 +186,17 @@ class ApiAgent:
     """An OpenAI-compatible endpoint as an agent, with its own chat history per task.
 
     When the conversation outgrows the endpoint's context (the server says so: ApiError.context_overflow),
-    it does what an agent harness does rather than lose the task: first ask for shorter replies
-    (halving max_tokens down to 64), then drop the oldest turns after the task's first message, and
-    when nothing is left to drop, stop asking: the episode runs out its budget with empty actions
-    and keeps its score so far. `policy.context_log` records each of these; bench.act puts it in
-    the episode's info ("context")."""
+    it does what an agent harness does rather than lose the task:
+    - drop the older half of the turns after the task's first message, in one block. Dropping one
+      turn per overflow would change the prompt's start on every later turn, and a server's prefix
+      cache (llama.cpp keeps the previous prompt's tokens) would re-read the whole prompt each time:
+      after a block drop, the prompt up to the newest turns stays the same until the next overflow;
+    - when no turn is left to drop, ask for shorter replies (halving max_tokens down to 64: it helps
+      servers that count the reply against the context, not llama.cpp's, which checks the prompt);
+    - then stop asking: the episode runs out its budget with empty actions and keeps its score so far.
+    `policy.context_log` records each of these; bench.act puts it in the episode's info ("context").
+    The writer sees `traj_chars` characters of the trajectory; on an overflow it retries with half
+    the characters and fewer steps (`_writer_view`), and fails (the caller counts it) below 100."""
     url: str
     model: str
     key_env: str = "OPENAI_API_KEY"
@@ -183,8 +205,11 @@ class ApiAgent:
     backoff: float = 1.0
     max_tokens: int = 512
     temperature: float = 0.0
-    traj_chars: int = 4000
+    traj_chars: int = 1200
     context: int = 0            # the endpoint's context in tokens, 0 = unknown
+    timeout_per_token: float = 0.0
+    max_turns: int = 0          # turns per task, 0 = the environment's budget
+    max_failures: int = 8       # API tries in a row with no answer before the endpoint counts as down
 
     def __post_init__(self):
         if self.context:            # never ask for more than a quarter of a small context
@@ -192,8 +217,9 @@ class ApiAgent:
 
     def complete(self, messages, max_tokens=None) -> str:
         return chat(self.url, self.model, messages, key_env=self.key_env, timeout=self.timeout,
-                    retries=self.retries, backoff=self.backoff, max_tokens=max_tokens or self.max_tokens,
-                    temperature=self.temperature)
+                    timeout_per_token=self.timeout_per_token, retries=self.retries, backoff=self.backoff,
+                    max_tokens=max_tokens or self.max_tokens, temperature=self.temperature,
+                    down_after=self.max_failures)
 
     def complete_fitting(self, history: list, state: dict) -> str | None:
         """complete(history), shortening it on a context overflow (see the class docstring). Edits
@@ -206,25 +232,30 @@ class ApiAgent:
             except ApiError as e:
                 if not e.context_overflow:
                     raise
-                if state["max_tokens"] > 64:
+                # history: system, the task's first message, then (reply, observation) pairs; the
+                # last observation is the one being answered, so the pairs before it can go
+                turns = (len(history) - 4) // 2
+                if turns > 0:
+                    drop = (turns + 1) // 2
+                    del history[2: 2 + 2 * drop]
+                    log.append(f"context full: dropped the oldest {drop} of {turns} earlier turns")
+                elif state["max_tokens"] > 64:
                     state["max_tokens"] = max(64, state["max_tokens"] // 2)
                     log.append(f"context full: max_tokens -> {state['max_tokens']}")
-                elif len(history) > 3:      # system, the task's first message, ..., the latest observation
-                    del history[2:4]        # the oldest assistant reply and the observation after it
-                    log.append("context full: dropped the oldest turn")
                 else:
-                    log.append(f"context full: episode ended at turn {len(log)} with its score so far")
+                    log.append(f"context full: episode ended at turn {state['turn']} with its score so far")
                     return None
 
     def actor(self, memory: str):
         """A policy obs -> action for one task, keeping that task's chat history."""
         from rollout import ACTOR_SYSTEM, first_user_turn, parse_action
         history = [{"role": "system", "content": ACTOR_SYSTEM}]
-        state = {"max_tokens": self.max_tokens, "context_log": [], "ended": False}
+        state = {"max_tokens": self.max_tokens, "context_log": [], "ended": False, "turn": 0}
 
         def policy(obs: str) -> str:
             if state["ended"]:
                 return ""           # the context cannot hold another turn: the env counts the step
+            state["turn"] += 1
             history.append({"role": "user", "content": first_user_turn(obs, memory) if len(history) == 1 else obs})
             reply = self.complete_fitting(history, state)
             if reply is None:
@@ -237,10 +268,36 @@ class ApiAgent:
         return policy
 
     def write(self, episode, old_memory: str) -> str:
+        """The new memory. A context overflow is retried with half the trajectory (noted in
+        episode.info["context"]); below 100 characters the ApiError goes to the caller."""
         from rollout import WRITER_SYSTEM, writer_prompt
-        reply = self.complete([{"role": "system", "content": WRITER_SYSTEM},
-                               {"role": "user", "content": writer_prompt(episode, old_memory, self.traj_chars)}])
-        return reply.strip() or old_memory
+        chars, view = self.traj_chars, episode
+        while True:
+            try:
+                reply = self.complete([{"role": "system", "content": WRITER_SYSTEM},
+                                       {"role": "user", "content": writer_prompt(view, old_memory, chars)}])
+                return reply.strip() or old_memory
+            except ApiError as e:
+                if not e.context_overflow or chars // 2 < 100:
+                    raise
+                chars //= 2
+                view = _writer_view(episode, chars)
+                episode.info.setdefault("context", []).append(f"writer: context full: trajectory cut to {chars} chars")
+
+
+def _writer_view(ep, chars: int):
+    """The episode as a shortened writer prompt shows it, in about `chars` characters: the task's
+    first half of them, then as many of the last steps as fit in the other half, each observation
+    cut to 80 characters. rollout.trajectory_text alone keeps at least 80 characters of every
+    observation and up to 1,000 of the task, so a smaller budget cannot shrink a 60-step episode."""
+    task = [ep.observations[0][: chars // 2]] if ep.observations else []
+    steps, room = [], chars // 2
+    for action, obs in reversed(list(zip(ep.actions, ep.observations[1:]))):
+        room -= len(action) + min(len(obs), 80) + 30    # 30: "Step n: <action></action>\n  -> "
+        if room < 0 and steps:
+            break
+        steps.insert(0, (action, obs[:80]))
+    return replace(ep, actions=[a for a, _ in steps], observations=task + [o for _, o in steps])
 
 
 # -----------------------------------------------------------------------------
@@ -268,8 +325,9 @@ def load_agents(cfg: Config) -> list:
         if p in ("scripted", "api"):
             offline = offline_tokenizer()
             api = ApiAgent(cfg.api, cfg.api_model, cfg.api_key_env, cfg.api_timeout, cfg.api_retries, cfg.backoff,
-                           cfg.api_max_tokens, cfg.temperature, traj_chars=4000,
-                           context=cfg.api_context) if p == "api" else None
+                           cfg.api_max_tokens, cfg.temperature, traj_chars=cfg.traj_chars, context=cfg.api_context,
+                           timeout_per_token=cfg.api_timeout_per_token, max_turns=cfg.api_max_turns,
+                           max_failures=cfg.api_max_failures) if p == "api" else None
             agents.append(Agent(f"api:{cfg.api_model}" if api else "scripted", p if p == "scripted" else "api",
                                 tokenizer=offline, api=api))
         else:
@@ -312,7 +370,10 @@ def settings_of(agent: Agent, cfg: Config) -> dict:
     if agent.kind == "model":
         return {k: getattr(cfg, k) for k in ("max_turns", "max_new_tokens", "writer_tokens", "traj_chars",
                                              "temperature", "seed", "context")}
-    return {"temperature": cfg.temperature, "max_tokens": cfg.api_max_tokens} if agent.kind == "api" else {}
+    if agent.kind == "api":
+        return {"temperature": cfg.temperature, "max_tokens": cfg.api_max_tokens, "traj_chars": cfg.traj_chars,
+                "max_turns": cfg.api_max_turns}
+    return {}
 
 
 def act(agent: Agent, envs: list, tasks: list, memories: list, seed: int, cfg: Config) -> list:
@@ -327,7 +388,10 @@ def act(agent: Agent, envs: list, tasks: list, memories: list, seed: int, cfg: C
     else:  # the reference policy; Alchemy's reads the notes, the others ignore text memory
         policies = [e.reference_policy(t, notes=m) if t.env == "alchemy" else e.reference_policy(t)
                     for e, t, m in zip(envs, tasks, memories)]
-    eps = run_scripted(agent.tokenizer, envs, tasks, policies, memory=memories)
+    max_turns = None                          # the environment's own budget
+    if agent.kind == "api" and agent.api.max_turns:
+        max_turns = agent.api.max_turns
+    eps = run_scripted(agent.tokenizer, envs, tasks, policies, memory=memories, max_turns=max_turns)
     for ep, pol in zip(eps, policies):
         if hasattr(pol, "knowledge"):
             ep.info["knowledge"] = pol.knowledge  # for the scripted writer
@@ -394,6 +458,8 @@ def run_jobs(agent, envs, jobs, cfg, prepare):
                     prepare(e)
                 eps = act(agent, envs[: len(chunk)], [jobs[j][0] for j in chunk], [jobs[j][1] for j in chunk],
                           cfg.seed * 100003 + round_ * 1009 + chunk[0], cfg)
+            except EndpointDown:    # the endpoint stopped answering: every later job would fail too
+                raise
             except Exception as e:  # noqa: BLE001 - an endpoint or env error fails these jobs, not the bench
                 reasons.update({j: f"{type(e).__name__}: {e}"[:300] for j in chunk})
                 retry += chunk
@@ -451,7 +517,9 @@ def run_cell(agent, label, env, tasks, kind, cfg, rows, out, bar):
             if ep is not None and kind == "text":
                 try:
                     memory = write(agent, ep, memory, cfg.seed + t, cfg)
-                except Exception as e:  # noqa: BLE001 - a writer failure keeps the old memory
+                except EndpointDown:
+                    raise
+                except Exception as e:  # noqa: BLE001 - a writer failure keeps the old memory (counted)
                     extra["writer_error"] = f"{type(e).__name__}: {e}"[:300]
             if ep is not None and kind == "files":
                 files = env.memory_files()
@@ -485,6 +553,14 @@ class Cell:
     failed: int         # failed runs (with-memory tasks + from-scratch attempts)
     with_memory: list   # per counted task
     scratch: list       # per counted task: mean of its attempts
+    writer_failed: int = 0  # with-memory tasks whose writer failed (the memory stayed as it was)
+    writes: int = 0         # with-memory tasks that ran the writer (finished episodes of text memory)
+    runs: int = 0           # rows recorded, failed or not
+    writer_reason: str = "" # the first writer failure's reason
+
+    @property
+    def all_failed(self) -> bool:
+        return self.runs > 0 and self.failed == self.runs
 
 
 def summarize(policy, stream, task_ids, rows, settings) -> Cell:
@@ -501,20 +577,24 @@ def summarize(policy, stream, task_ids, rows, settings) -> Cell:
             with_memory.append(mem[tid]["score"])
             scratch.append(tries)
     m = stream_metrics(with_memory, scratch) if with_memory else None
+    writes = [r for r in mem.values() if r["task"] in ids and not r["failed"] and "memory" in r]
+    writer_errors = [r["writer_error"] for r in writes if r.get("writer_error")]
     return Cell(policy, stream, m.cumulative_reward if m else 0.0, m.cumulative_gain if m else 0.0,
-                len(with_memory), len(task_ids), failed, with_memory, [sum(s) / len(s) for s in scratch])
+                len(with_memory), len(task_ids), failed, with_memory, [sum(s) / len(s) for s in scratch],
+                writer_failed=len(writer_errors), writes=len(writes),
+                runs=sum(r["task"] in ids for r in mine), writer_reason=writer_errors[0] if writer_errors else "")
 
 
 def render_table(cells: list) -> str:
-    lines = ["| policy | stream | cumulative reward | cumulative gain | tasks | failed | source |",
-             "|---|---|---:|---:|---:|---:|---|"]
+    lines = ["| policy | stream | cumulative reward | cumulative gain | tasks | failed | writer failed | source |",
+             "|---|---|---:|---:|---:|---:|---:|---|"]
     for c in cells:
         # a row with no completed task has no figure, not a 0.00
         reward, gain = (f"{c.reward:.2f}", f"{c.gain:+.2f}") if c.counted else ("n/a", "n/a")
         lines.append(f"| {c.policy} | {c.stream} | {reward} | {gain} | {c.counted}/{c.total} "
-                     f"| {c.failed} | measured here |")
+                     f"| {c.failed} | {c.writer_failed}/{c.writes} | measured here |")
     for name, reward, gain, source in published.RIME_CODEBASE19:
-        lines.append(f"| {name} † | codebase19 | {reward:.2f} | {gain:+.2f} | 19/19 | - | {source} |")
+        lines.append(f"| {name} † | codebase19 | {reward:.2f} | {gain:+.2f} | 19/19 | - | - | {source} |")
     lines.append("\n† published, not measured here: the RIME paper's Codebase Adaptation results (19-task stream). "
                  "released figures: the authors' released result tables.")
     if any(c.stream.startswith("camg/") for c in cells):
@@ -566,7 +646,12 @@ def bench(cfg: Config) -> list:
         # loaded CPU each one waits at a thread barrier; measured here 6x slower decode than 1 thread
         torch.set_num_threads(cfg.threads)
     results = Path(cfg.results)
-    streams, cells = [], []
+    if cfg.api:                     # one request before any work: a dead endpoint is one line, not 14 minutes
+        try:
+            check_endpoint(cfg.api, cfg.api_model, key_env=cfg.api_key_env, timeout=cfg.api_timeout)
+        except ApiError as e:
+            cli.fail("bench.py", f"--api {cfg.api}: {e}")
+    streams, cells, stopped = [], [], ""
     try:
         for name in cfg.streams:    # first: a stream that cannot load is an error before any model loads
             streams += load_streams(name, cfg)
@@ -576,17 +661,32 @@ def bench(cfg: Config) -> list:
         with open(results / "rows.jsonl", "a") as out:
             for agent in agents:
                 for label, env, tasks, kind in streams:
-                    with tqdm(total=len(tasks) * (1 + cfg.attempts), desc=f"{agent.name} {label}") as bar:
-                        run_cell(agent, label, env, tasks, kind, cfg, rows, out, bar)
-                    cells.append(summarize(agent.name, label, [t.id for t in tasks], rows, settings_of(agent, cfg)))
+                    try:
+                        with tqdm(total=len(tasks) * (1 + cfg.attempts), desc=f"{agent.name} {label}") as bar:
+                            run_cell(agent, label, env, tasks, kind, cfg, rows, out, bar)
+                    finally:        # a cell cut short still shows what it did
+                        cells.append(summarize(agent.name, label, [t.id for t in tasks], rows, settings_of(agent, cfg)))
+    except EndpointDown as e:       # the table shows what was done; the run stops below
+        stopped = str(e)
     finally:
         for _, env, _, _ in streams:
             env.close()
     table = render_table(cells)
     (results / "table.md").write_text(table + "\n")
     print("\n" + table + "\n\n" + write_curves(cells, results))
+    for c in cells:
+        if c.writer_failed:         # the with-memory column then measures a memory that never changed
+            print(f"{c.policy} / {c.stream}: the writer failed on {c.writer_failed} of {c.writes} tasks and the "
+                  f"memory stayed as it was; first reason: {c.writer_reason}")
     print(f"\nwall time {time.time() - t_start:.0f} s; rows in {results / 'rows.jsonl'}, "
           f"table in {results / 'table.md'}")
+    if stopped:
+        cli.fail("bench.py", f"{stopped}; stopped, the rows so far are in {results / 'rows.jsonl'} (a rerun resumes)")
+    dead = [f"{c.policy} / {c.stream}" for c in cells if c.all_failed]
+    if dead:
+        print(f"bench.py: error: every run of {', '.join(dead)} failed (reasons in {results / 'rows.jsonl'})",
+              file=sys.stderr)
+        sys.exit(1)
     return cells
 
 
@@ -608,7 +708,12 @@ def main(argv=None):
         cfg = parse_config(argv)
     except ValueError as e:
         cli.fail("bench.py", str(e))
-    return bench(cfg)
+    try:
+        return bench(cfg)
+    except KeyboardInterrupt:       # rows.jsonl is flushed row by row: what finished is kept
+        print(f"\nbench.py: interrupted; finished rows are kept in {Path(cfg.results) / 'rows.jsonl'} "
+              "(a rerun resumes)", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

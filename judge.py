@@ -18,14 +18,18 @@ JudgeResult`):
   hold one JSON object; harmless shapes (`[2]`, `"2"`, `"2/2"` for 2) are accepted, a bad reply
   is re-asked once, then the score falls back to 0 (logged), never an exception. Backends:
   `local_complete` (our model through generate.py, greedy) and `openai_complete` (any
-  OpenAI-compatible chat/completions endpoint through chat_api.py, stdlib urllib only; it asks for
-  JSON mode and drops it for a server that refuses it).
+  OpenAI-compatible chat/completions endpoint through chat_api.py, stdlib urllib only; it sends
+  the rubric's keys as a JSON schema, and steps down to JSON mode, then to plain text, for a
+  server that refuses it). A fallback is counted (`JudgeResult.fallback`): rime.py logs the rate
+  per update and `judge.py eval` prints it beside the agreement, since a judge that never
+  answered looks, by its scores alone, like one that scored 0.
 - `HeuristicJudge()`: offline and deterministic, for CPU runs and tests: a documented rule set
   that pays for new, corrected and checkable facts and nothing for status lines, repetition,
   identifier lists, generic advice, paraphrase or wiping (see its docstring and blind spots).
 
 `python judge.py eval --judge heuristic|local|openai` reports a judge's agreement with the
-labelled memory updates in tests/data/judge_pairs.jsonl.
+labelled memory updates in tests/data/judge_pairs.jsonl, and its fallbacks (exit 1 when every
+call fell back; exit 2, before any pair, when the endpoint does not answer).
 
 Simplification: one prompt per (before, after) pair; no batching of judge calls.
 """
@@ -40,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # the HTTP client (chat_api.py), also importable from here: bench.py's API agent takes it from judge
-from chat_api import ApiError, chat  # noqa: F401
+from chat_api import ApiError, EndpointDown, chat, check_endpoint  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +82,17 @@ AFTER:
 Reply with only this JSON object and nothing else:
 {{"new_discoveries": 0, "error_correction": 0, "verification_targets": 0, "non_redundant_change": 0}}"""
 
+# the rubric's reply as a JSON schema: a server that enforces it can only produce a valid reply
+RUBRIC_SCHEMA = {"type": "object", "additionalProperties": False, "required": list(DIMENSIONS),
+                 "properties": {k: {"type": "integer", "enum": list(range(MAX_PER_DIMENSION + 1))}
+                                for k in DIMENSIONS}}
+
 RETRY = """Your previous reply could not be used: {error}.
 Reply again with only one JSON object with the integer keys new_discoveries, error_correction,
 verification_targets and non_redundant_change, each 0, 1 or 2, and no other text."""
+# how much of a bad reply the re-ask quotes: its start shows the wrong keys or values, and the
+# whole of a long reply would push the re-ask past a small context (512 tokens)
+QUOTE_CHARS = 200
 
 
 @dataclass
@@ -166,7 +178,9 @@ def parse_reply(text):
 
 class LLMJudge:
     """The rubric over any `complete(prompt) -> str`. `score` never raises on a bad reply or a
-    failing backend: one re-ask, then a logged fallback score of 0."""
+    failing backend: one re-ask (quoting the start of the bad reply), then a logged fallback score
+    of 0 (`fallback=True`); a rubric that outgrows the context falls back at once. The exception
+    is EndpointDown: the endpoint stopped answering, and the run should stop."""
 
     def __init__(self, complete, max_attempts=2):
         assert callable(complete), "LLMJudge needs complete: a callable prompt -> str"
@@ -181,24 +195,30 @@ class LLMJudge:
         if _unchanged(before, after):       # no change scores 0 by the rubric: skip the call
             return _result({k: 0 for k in DIMENSIONS}, detail="no change")
         prompt = RUBRIC.format(before=before.strip() or "(empty)", after=after.strip() or "(empty)")
-        error = ""
+        ask, error, last_bad = prompt, "", ""
         for attempt in range(1, self.max_attempts + 1):
             try:
-                reply = self.complete(prompt)
+                reply = self.complete(ask)
+            except EndpointDown:            # not this pair's failure: the caller stops the run
+                raise
             except Exception as e:          # a failing backend must not kill a training run
                 error = f"backend error: {type(e).__name__}: {e}"
                 log.warning("judge attempt %d/%d failed: %s", attempt, self.max_attempts, error)
+                if getattr(e, "context_overflow", False):
+                    if ask is prompt:
+                        break               # the rubric itself does not fit: a re-ask is longer
+                    ask = prompt + "\n\n" + RETRY.format(error=last_bad)  # no quote this time
                 continue
             try:
                 return _result(parse_reply(reply), attempts=attempt)
             except ValueError as e:
-                error = f"bad reply: {e}"
-                # the re-ask shows the model its own reply and what was wrong with it
-                prompt = prompt + "\n\n" + str(reply)[:2000] + "\n\n" + RETRY.format(error=e)
+                error, last_bad = f"bad reply: {e}", e
+                # the re-ask shows the model the start of its own reply and what was wrong with it
+                quoted = str(reply)[:QUOTE_CHARS] + (" ..." if len(str(reply)) > QUOTE_CHARS else "")
+                ask = prompt + "\n\n" + quoted + "\n\n" + RETRY.format(error=e)
             log.warning("judge attempt %d/%d failed: %s", attempt, self.max_attempts, error)
-        log.warning("judge fell back to score 0 after %d attempts: %s", self.max_attempts, error)
-        return _result({k: 0 for k in DIMENSIONS}, attempts=self.max_attempts, fallback=True,
-                       detail=error)
+        log.warning("judge fell back to score 0 after %d attempts: %s", attempt, error)
+        return _result({k: 0 for k in DIMENSIONS}, attempts=attempt, fallback=True, detail=error)
 
 
 def local_complete(model, tokenizer, max_new_tokens=128):
@@ -223,16 +243,21 @@ def local_complete(model, tokenizer, max_new_tokens=128):
 
 
 def openai_complete(base_url, model, api_key_env="OPENAI_API_KEY", timeout=60.0, retries=3,
-                    backoff=1.0, max_tokens=256, temperature=0.0, json_mode=True):
+                    backoff=1.0, max_tokens=256, temperature=0.0, json_mode=True,
+                    timeout_per_token=0.05):
     """complete(prompt) -> str over an OpenAI-compatible `POST {base_url}/chat/completions`
-    (base_url like "http://127.0.0.1:8000/v1"), through chat_api.chat, in JSON mode unless the
-    server refuses it: the API key is read from $api_key_env at call time (unset: no
-    Authorization header; local vLLM/llama.cpp servers need none); failures raise ApiError (a
-    RuntimeError), which LLMJudge turns into a logged fallback."""
+    (base_url like "http://127.0.0.1:8000/v1"), through chat_api.chat. json_mode=True sends
+    RUBRIC_SCHEMA as the response format, stepping down to JSON mode and then to plain text for a
+    server that refuses it (json_mode=False: plain text). The API key is read from $api_key_env
+    at call time (unset: no Authorization header; local vLLM/llama.cpp servers need none); each
+    try waits `timeout` s plus `timeout_per_token` s per token (a CPU server reads the ~400-token
+    rubric for seconds). Failures raise ApiError (a RuntimeError), which LLMJudge turns into a
+    logged fallback, except EndpointDown (the endpoint stopped answering), which it lets through."""
     def complete(prompt):
         return chat(base_url, model, [{"role": "user", "content": prompt}], key_env=api_key_env,
-                    timeout=timeout, retries=retries, backoff=backoff, max_tokens=max_tokens,
-                    temperature=temperature, json_mode=json_mode)
+                    timeout=timeout, timeout_per_token=timeout_per_token, retries=retries,
+                    backoff=backoff, max_tokens=max_tokens, temperature=temperature,
+                    json_schema=RUBRIC_SCHEMA if json_mode else None)
 
     return complete
 
@@ -570,21 +595,27 @@ class Agreement:
     accuracy: float
     min_real: float
     max_cheap: float
-    fallbacks: int
+    fallbacks: int                 # judge calls that gave no usable reply (scored 0)
     threshold: float
     scores: list = field(default_factory=list)    # (pair, score) in the set's order
+    calls: int = 0                 # pairs the judge was asked about (an unchanged pair needs no call)
 
     @property
     def margin(self):
         return self.min_real - self.max_cheap
 
+    @property
+    def fallback_rate(self):
+        return self.fallbacks / self.calls if self.calls else 0.0
+
 
 def agreement(judge, pairs, name="judge", threshold=CHEAP_MAX, progress=None):
     """Score every pair with `judge` (anything with .score_parts) -> Agreement."""
-    scores, fallbacks = [], 0
+    scores, fallbacks, calls = [], 0, 0
     for i, p in enumerate(pairs):
         r = judge.score_parts(p["before"], p["after"])
         fallbacks += r.fallback
+        calls += r.attempts > 0 or r.fallback
         scores.append((p, r.score))
         if progress:
             progress(i + 1, len(pairs), p, r)
@@ -594,16 +625,17 @@ def agreement(judge, pairs, name="judge", threshold=CHEAP_MAX, progress=None):
     return Agreement(judge=name, n=len(scores), accuracy=right / max(len(scores), 1),
                      min_real=min(real, default=float("nan")),
                      max_cheap=max(cheap, default=float("nan")), fallbacks=fallbacks,
-                     threshold=threshold, scores=scores)
+                     threshold=threshold, scores=scores, calls=calls)
 
 
 def agreement_table(results):
     """Agreement per judge, then per category (mean score, share on the right side)."""
-    lines = ["| judge | pairs | accuracy (threshold) | min real | max cheap | margin | fallbacks |",
+    lines = ["| judge | pairs | accuracy (threshold) | min real | max cheap | margin | fallbacks (of calls) |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for a in results:
         lines.append(f"| {a.judge} | {a.n} | {a.accuracy:.2f} ({a.threshold:.2f}) | "
-                     f"{a.min_real:.3f} | {a.max_cheap:.3f} | {a.margin:+.3f} | {a.fallbacks} |")
+                     f"{a.min_real:.3f} | {a.max_cheap:.3f} | {a.margin:+.3f} | "
+                     f"{a.fallbacks}/{a.calls} ({a.fallback_rate:.0%}) |")
     cats = list(dict.fromkeys((p["label"], p["category"]) for p, _ in results[0].scores))
     lines += ["", "| label | category | pairs | " + " | ".join(
         f"{a.judge} mean (right)" for a in results) + " |", "|---|---|---:|" + "---:|" * len(results)]
@@ -651,6 +683,10 @@ def _eval_main(argv):
         elif name == "openai":
             if not (args.url and args.api_model):
                 sys.exit("judge.py eval: --judge openai needs --url and --api-model")
+            try:                            # one request before any pair: a dead endpoint is one line
+                check_endpoint(args.url, args.api_model)
+            except ApiError as e:
+                _fail(f"--url {args.url}: {e}")
             judge = LLMJudge(openai_complete(args.url, args.api_model))
         else:
             import torch
@@ -670,13 +706,35 @@ def _eval_main(argv):
                 print(f"  {name} {i}/{n} {pair['id']} [{pair['label']}/{pair['category']}] "
                       f"{r.score:.3f} {r.detail}", flush=True)
 
-        results.append(agreement(judge, pairs, name, args.threshold, progress))
-        print(f"{name}: {len(pairs)} pairs in {time.time() - t0:.1f} s", flush=True)
+        try:
+            a = agreement(judge, pairs, name, args.threshold, progress)
+        except EndpointDown as e:
+            _fail(f"{name}: {e}")
+        results.append(a)
+        # a fallback scores 0, which looks like a judgement: the rate says how much of the
+        # agreement is the judge's own
+        print(f"{name}: {len(pairs)} pairs in {time.time() - t0:.1f} s; accuracy {a.accuracy:.2f}, "
+              f"fallbacks {a.fallbacks}/{a.calls} ({a.fallback_rate:.0%} of the judge's calls)", flush=True)
     print(agreement_table(results))
+    dead = [a.judge for a in results if a.calls and a.fallbacks == a.calls]
+    if dead:
+        print(f"judge.py eval: error: every call of {', '.join(dead)} fell back to 0: its agreement "
+              "is the fallback's, not the judge's", file=sys.stderr)
+        sys.exit(1)
+
+
+def _fail(message):
+    """An eval that cannot go on: one line, exit 2 (the entry points' error style)."""
+    print(f"judge.py eval: error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] != ["eval"]:
         sys.exit("usage: python judge.py eval [--judge heuristic|local|openai ...] (see --help)")
     logging.basicConfig(level=logging.ERROR)
-    _eval_main(sys.argv[2:])
+    try:
+        _eval_main(sys.argv[2:])
+    except KeyboardInterrupt:
+        print("judge.py eval: interrupted", file=sys.stderr)
+        sys.exit(130)

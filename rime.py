@@ -582,10 +582,7 @@ def rl_step(run: Run, step: int) -> dict:
                         run.env, copies, args, temperature=args.temperature,
                         writer_temperature=args.writer_temperature, seed=args.seed * 7 + step * 1009 + run.d.rank)
     t_roll = time.time() - t0
-    # the judge sees only the memory before and after each task, never the trajectory
-    for o in outs:
-        o.explore = [run.judge.score(old, w.memory) if run.judge is not None else None
-                     for old, w in zip(o.memories, o.writes)]
+    judged = judge_memories(run.judge, outs)
     t_judge = time.time() - t0 - t_roll
     actor, writer, parts = rl_rows(outs, groups_of, args, rollout.WRITER_SYSTEM)
     if args.env == "alchemy":
@@ -600,7 +597,7 @@ def rl_step(run: Run, step: int) -> dict:
     else:                               # shared weights: one PPO step on both roles' tokens
         stats = learner.update(batch_of(actor + writer, learner.version))
     row = {"phase": "rl", "step": step + 1, "rollout_s": t_roll, "judge_s": t_judge,
-           "update_s": time.time() - t0 - t_roll - t_judge, "step_s": time.time() - t0, **parts, **stats}
+           "update_s": time.time() - t0 - t_roll - t_judge, "step_s": time.time() - t0, **parts, **judged, **stats}
     run.log(row)
     if run.d.is_main:
         with open(run.path("memories", f"step{step + 1:04d}.jsonl"), "w") as f:
@@ -608,6 +605,21 @@ def rl_step(run: Run, step: int) -> dict:
                 f.write(cli.dumps({"copy": c, "tasks": [t.id for t in o.tasks], "scores": o.scores,
                                    "memories": [w.memory for w in o.writes], "explore": o.explore}) + "\n")
     return row
+
+
+def judge_memories(judge, outs) -> dict:
+    """Each stream's explore scores (o.explore; None without a judge), and the judge's health: its
+    calls and the share that fell back to 0 for want of a usable reply, which the scores alone
+    cannot tell from a judgement of 0. The judge sees only the memory before and after each task,
+    never the trajectory."""
+    called = []
+    for o in outs:
+        results = [judge.score_parts(old, w.memory) if judge is not None else None
+                   for old, w in zip(o.memories, o.writes)]
+        o.explore = [None if r is None else r.score for r in results]
+        called += [r for r in results if r is not None and (r.attempts or r.fallback)]  # an unchanged memory needs no call
+    return {"judge_calls": len(called),
+            "judge_fallback": sum(r.fallback for r in called) / len(called) if called else 0.0}
 
 
 def evaluate_phase(run: Run, step: int, final: bool = False) -> dict:
@@ -618,7 +630,8 @@ def evaluate_phase(run: Run, step: int, final: bool = False) -> dict:
     return ev
 
 
-RL_HEALTH = (("score", "score", ".3f"), ("explore", "explore", ".2f"), ("wr", "writer_reward", ".3f"),
+RL_HEALTH = (("score", "score", ".3f"), ("explore", "explore", ".2f"), ("jfb", "judge_fallback", ".2f"),
+             ("wr", "writer_reward", ".3f"),
              ("ok", "writer_format_ok", ".2f"), ("kl", "approx_kl", ".4f"), ("s", "step_s", ".0f"))
 
 
@@ -651,6 +664,11 @@ def reused_before(run: Run) -> dict:
 
 def main(argv=None) -> Run:
     args = parse_args(argv)
+    if args.judge == "openai" and not args.no_explore:    # one request before any work
+        try:
+            judges.check_endpoint(args.judge_url, args.judge_api_model)
+        except judges.ApiError as e:
+            cli.fail("rime.py", f"--judge-url {args.judge_url}: {e}")
     try:
         run = setup(args)
     except ValueError as e:          # a model dir that cannot be read, a config the env refuses
@@ -667,7 +685,10 @@ def main(argv=None) -> Run:
     bar = tqdm(range(run.state["step"], args.steps), desc="RIME RL", disable=not run.d.is_main,
                initial=run.state["step"], total=args.steps)
     for step in bar:
-        row = rl_step(run, step)
+        try:
+            row = rl_step(run, step)
+        except judges.EndpointDown as e:  # the judge's endpoint stopped answering: stop, not train on 0s
+            cli.fail("rime.py", f"the judge: {e}; stopped at RL step {step + 1} (a rerun resumes from the last checkpoint)")
         bar.set_postfix_str(cli.health_line(row, RL_HEALTH))
         run.state["step"] = step + 1
         if args.eval_every and run.state["step"] % args.eval_every == 0 and run.d.is_main:

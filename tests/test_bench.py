@@ -43,13 +43,13 @@ def test_metrics_on_a_hand_computed_stream():
 
 
 def test_table_marks_published_rows_and_failures():
-    cell = bench.Cell("scripted", "alchemy", 7.25, 1.5, 11, 12, 3, [1.0] * 11, [0.8] * 11)
+    cell = bench.Cell("scripted", "alchemy", 7.25, 1.5, 11, 12, 3, [1.0] * 11, [0.8] * 11, writer_failed=2, writes=11)
     table = bench.render_table([cell])
-    assert "| scripted | alchemy | 7.25 | +1.50 | 11/12 | 3 | measured here |" in table
+    assert "| scripted | alchemy | 7.25 | +1.50 | 11/12 | 3 | 2/11 | measured here |" in table
     for name, reward, gain, source in published.RIME_CODEBASE19:
         line = next(l for l in table.splitlines() if l.startswith(f"| {name} †"))
         assert f"{reward:.2f}" in line and f"{gain:+.2f}" in line and line.endswith(f"| {source} |")
-    assert "| GPT-6 Astra † | codebase19 | 17.25 | +2.26 | 19/19 | - | released figures |" in table
+    assert "| GPT-6 Astra † | codebase19 | 17.25 | +2.26 | 19/19 | - | - | released figures |" in table
     assert "CAMG" not in table, "the CAMG paper's figures come with a camg stream only"
     assert bench.sparkline([0, 1, 2], 2) == "▁▄█"
 
@@ -97,7 +97,7 @@ def test_bad_config_gets_a_clear_error(tmp_path, capsys):
 
 # ----------------------------------------------------------------------------- resume
 
-def test_resume_after_interruption_reruns_nothing_done(tmp_path, monkeypatch):
+def test_resume_after_interruption_reruns_nothing_done(tmp_path, monkeypatch, capsys):
     argv = ["--policy", "scripted", "--stream-len", "3", "--attempts", "2", "--results", str(tmp_path)]
     resets = []
     real_reset = alchemy.AlchemyEnv.reset
@@ -110,8 +110,10 @@ def test_resume_after_interruption_reruns_nothing_done(tmp_path, monkeypatch):
     monkeypatch.setattr(alchemy.AlchemyEnv, "reset", counting_reset)
 
     interrupt = True
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit) as e:    # Ctrl-C: one line, no traceback
         bench.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 130 and "bench.py: interrupted; finished rows are kept" in err and "Traceback" not in err
     done = (tmp_path / "rows.jsonl").read_text().splitlines()
     assert len(done) == 4  # 3 with-memory tasks + 1 from-scratch attempt were finished
     with open(tmp_path / "rows.jsonl", "a") as f:
@@ -257,32 +259,42 @@ def test_api_agent_plays_with_its_history_and_failures_are_not_zeros(server, tmp
     assert [len(m) for m in actor_calls[:3]] == [2, 4, 6], "the agent keeps its chat history within a task"
     assert any(m[0]["content"].startswith("You keep a running") for m in Stub.requests), "the API agent writes memory"
 
-    Stub.plan = ["500"] * 1000  # the endpoint is down: every run fails, none is scored 0
-    cells = bench.main(argv(tmp_path / "down"))
-    assert cells[0].counted == 0 and cells[0].failed == 4
+    # the endpoint answers the check, then fails every call: every run fails, none is scored 0, exit 1
+    Stub.plan = ["ok"] + ["500"] * 1000
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv(tmp_path / "down") + ["--api-max-failures", "100"])
+    assert e.value.code == 1
     rows = [json.loads(l) for l in (tmp_path / "down" / "rows.jsonl").read_text().splitlines()]
-    assert all(r["failed"] and r["score"] is None and "HTTP 500" in r["reason"] for r in rows)
+    assert len(rows) == 4 and all(r["failed"] and r["score"] is None and "HTTP 500" in r["reason"] for r in rows)
     # no completed task: no figure, never 0.00
     assert "| api:m | alchemy | n/a | n/a | 0/2 | 4 |" in (tmp_path / "down" / "table.md").read_text()
 
 
 def test_api_agent_handles_a_context_overflow(server):
-    """A server that says the conversation outgrew its context: the agent asks for shorter replies,
-    then drops its oldest turns, then ends the episode with its score so far; the server's message
-    is kept, and what happened is recorded."""
+    """A server that says the conversation outgrew its context: the agent drops the older half of
+    its turns, asks for shorter replies once no turn is left to drop, then ends the episode with its
+    score so far; the server's message is kept, and what happened is recorded."""
     agent = bench.ApiAgent(server, "m", timeout=2.0, retries=0, backoff=0.01, max_tokens=512)
-    Stub.plan = ["overflow"] * 3                      # 512 -> 256 -> 128 -> 64 tokens, then it fits
     policy = agent.actor("")
-    assert policy("obs 1") == "end"
-    assert policy.context_log == [f"context full: max_tokens -> {n}" for n in (256, 128, 64)]
-    assert policy("obs 2") == "end" and len(Stub.requests[-1]) == 4     # system, obs 1, reply, obs 2
-    Stub.plan = ["overflow"] * 2                       # at 64 tokens already: the oldest turn goes
-    assert policy("obs 3") == "end"
-    assert "context full: dropped the oldest turn" in policy.context_log
-    Stub.plan = ["overflow"] * 100                     # nothing left to cut: the episode ends, no error
-    assert policy("obs 4") == "" and "episode ended" in policy.context_log[-1]
+    for i in range(1, 6):
+        assert policy(f"obs {i}") == "end"
+    assert len(Stub.requests[-1]) == 10                  # system, obs 1, then 4 (reply, observation) pairs
+    Stub.plan = ["overflow"]                            # 4 earlier turns (obs 1-5 answered): 2 go at once
+    assert policy("obs 6") == "end"
+    assert policy.context_log == ["context full: dropped the oldest 2 of 4 earlier turns"]
+    sent = Stub.requests[-1]
+    assert sent[1]["content"].endswith("obs 1") and [m["content"] for m in sent[3::2]] == ["obs 4", "obs 5", "obs 6"]
+    Stub.plan = ["overflow"] * 2                         # 2 of the 3 earlier turns, then the last one
+    assert policy("obs 7") == "end" and len(Stub.requests[-1]) == 4 and policy.context_log[-1].startswith(
+        "context full: dropped the oldest 1 of 1")
+    Stub.plan = ["overflow"] * 3                         # no turn left to drop: shorter replies
+    assert policy("obs 8") == "end"
+    assert policy.context_log[-3:] == ["context full: dropped the oldest 1 of 1 earlier turns",
+                                       "context full: max_tokens -> 256", "context full: max_tokens -> 128"]
+    Stub.plan = ["overflow"] * 100                       # nothing left to cut: the episode ends, no error
+    assert policy("obs 9") == "" and policy.context_log[-1].startswith("context full: episode ended at turn 9 ")
     n = len(Stub.requests)
-    assert policy("obs 5") == "" and len(Stub.requests) == n, "no more calls once the context is full"
+    assert policy("obs 10") == "" and len(Stub.requests) == n, "no more calls once the context is full"
     with pytest.raises(judge.ApiError) as e:          # other callers still see the server's own message
         Stub.plan = ["overflow"]
         _chat(server)

@@ -266,8 +266,10 @@ class _Stub:
 
 @pytest.fixture(autouse=True)
 def fresh_json_mode_memory(monkeypatch):
-    # which endpoints refused JSON mode is remembered per process: each test starts clean
-    monkeypatch.setattr(chat_api, "_NO_JSON_MODE", set())
+    # which response formats an endpoint refused, and its failures in a row, are remembered per
+    # process: each test starts clean
+    monkeypatch.setattr(chat_api, "_FORMAT_RUNG", {})
+    monkeypatch.setattr(chat_api, "_FAILURES", {})
 
 
 def test_openai_complete_success(monkeypatch):
@@ -281,7 +283,8 @@ def test_openai_complete_success(monkeypatch):
     assert headers["Authorization"] == "Bearer sk-test"
     assert body["model"] == "judge-model" and body["temperature"] == 0.0
     assert body["messages"] == [{"role": "user", "content": "hi there"}]
-    assert body["response_format"] == {"type": "json_object"}     # the judge asks for JSON mode
+    assert body["response_format"] == {"type": "json_schema", "json_schema": {     # the judge sends its rubric
+        "name": "reply", "strict": True, "schema": judge.RUBRIC_SCHEMA}}
 
 
 def test_openai_complete_retries_500_then_succeeds(monkeypatch):
@@ -298,7 +301,7 @@ def test_openai_complete_retries_500_then_succeeds(monkeypatch):
 
 def test_openai_complete_timeout_and_4xx():
     with _Stub([("sleep", 1.0), ("sleep", 1.0)]) as stub:
-        complete = openai_complete(stub.url, "m", timeout=0.2, retries=1, backoff=0.01)
+        complete = openai_complete(stub.url, "m", timeout=0.2, retries=1, backoff=0.01, timeout_per_token=0)
         with pytest.raises(RuntimeError, match="gave up after 2 tries"):   # each try timed out
             complete("hi")
         assert len(stub.requests) == 2
@@ -423,17 +426,18 @@ def test_chat_overflow_in_json_mode_is_not_retried_without_it():
 def test_chat_drops_json_mode_for_a_server_that_refuses_it():
     reply = json.dumps({"new_discoveries": 1, "error_correction": 0, "verification_targets": 1,
                         "non_redundant_change": 2})
-    with _Stub([("no_json_mode", reply)] * 3) as stub:
+    with _Stub([("no_json_mode", reply)] * 5) as stub:
         complete = openai_complete(stub.url, "m", timeout=5, retries=0)
-        assert complete("grade") == reply                          # refused, asked again without
+        assert complete("grade") == reply           # schema, schema in JSON mode, JSON mode refused: none
         assert complete("grade") == reply                          # remembered: asked without at once
-    sent = ["response_format" in body for _, _, body in stub.requests]
-    assert sent == [True, False, False]
-    # any other 4xx on the first try with JSON mode counts as a refusal too (e.g. a 422)
+    sent = [body.get("response_format", {}).get("type") for _, _, body in stub.requests]
+    assert sent == ["json_schema", "json_object", "json_object", None, None]
+    assert "schema" in stub.requests[1][2]["response_format"] and "schema" not in stub.requests[2][2]["response_format"]
+    # any other 4xx on the first try with a response format counts as a refusal too (e.g. a 422)
     with _Stub([("error", 422, {"detail": "extra fields not permitted"}), ("ok", reply)]) as stub:
         assert LLMJudge(openai_complete(stub.url, "m2", timeout=5, retries=0)).score(
             BEFORE, "x") == pytest.approx(4 / 8)
-        assert ["response_format" in b for _, _, b in stub.requests] == [True, False]
+        assert [b["response_format"]["type"] for _, _, b in stub.requests] == ["json_schema", "json_object"]
 
 
 def test_judge_over_http_accepts_harmless_shapes(caplog):
