@@ -475,7 +475,10 @@ def test_warm_start_stops_at_the_threshold_and_above_one_never(monkeypatch, thre
 
 def test_protocol_warm_start_carries_no_task_knowledge():
     """The protocol rows teach the action syntax and the memory's shape: every memory target passes
-    the writer's format gate, states no potion effect, and the actor's actions are all valid."""
+    the writer's format gate, states nothing but verbatim quotes of what its prompt showed (the episode's
+    outcomes: an outcome line states its effect in the note's words, so a quote may name one; no effect
+    is inferred),
+    and the actor's actions are all valid."""
     import alchemy
     from rewards import writer_format_ok
     _, tok = tiny("qwen3", seed=0)
@@ -487,12 +490,18 @@ def test_protocol_warm_start_carries_no_task_knowledge():
     targets = [tok.decode([t for t, m in zip(r[0], r[1]) if m]) for r in rows]
     memories = [x for x in targets if "### Repository Knowledge" in x]
     assert len(memories) == 3 * 2            # one per task of each 1+1 stream
-    prev = ""
+    seen = "\n".join(tok.decode([t for t, m in zip(r[0], r[1]) if not m]) for r in rows)   # what the rows show
+    generic = "- The hidden chemistry is the same in every task of this world."
+    prev, quoted = "", 0
     for m in memories:
         m = m.replace(tok.decode([fmt.end_id]), "").strip()
-        assert not alchemy.parse_notes(m)["potions"]          # no inferred chemistry
+        knowledge = m.split("### Lessons & Pitfalls")[0].splitlines()[1:]
+        for line in (ln for ln in knowledge if ln.strip() and ln != generic):
+            assert line[2:] in seen, line                      # a quote of an observation, never inferred
+            quoted += 1
         assert writer_format_ok(m, prev)
         prev = m
+    assert quoted
     actions = [a for x in targets if "<action>" in x for a in x.split("<action>")[1:]]
     assert actions and all(alchemy.parse_action(a.split("</action>")[0]) for a in actions)
 
