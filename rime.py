@@ -65,7 +65,7 @@ import judge as judges
 import rewards
 import rollout
 import warmstart
-from model import load, load_named, load_tokenizer, save, tiny
+from model import load, load_named, load_tokenizer, save
 from ppo import Learner, checkpoint_path, init_distributed, is_rank0, make_batch, print0, teardown_distributed
 
 # -----------------------------------------------------------------------------

@@ -17,7 +17,6 @@ skipped when the model already follows the protocol.
 
 import dataclasses
 import random
-import re
 
 import curriculum
 import rollout
