@@ -111,11 +111,12 @@ class Args:
     memory_tokens: int = 160         # memory cap in tokens (paper 2048)
     traj_chars: int = 1200           # trajectory budget the writer sees
     micro_batch_tokens: int = 16384
-    warmstart_steps: int = -1        # max imitation steps before RL; -1 = auto (150 for small/smollm2/dirs on alchemy, 0 for tiny)
-    warmstart_threshold: float = 0.95  # held-out format validity that ends the warm start (> 1: never; all --warmstart-steps run)
+    warmstart_steps: int = -1        # max imitation steps before RL; -1 = auto (300 for small/smollm2/dirs on alchemy, 0 for tiny)
+    warmstart_threshold: float = 0.95  # held-out actor validity and writer format rate that end the warm start (> 1: never)
     warmstart_lr: float = 3e-3
     warmstart_mode: str = "protocol"  # protocol (action syntax + memory shape only) | imitation (the scripted agent's content too)
     warmstart_batch: int = 8         # rows per imitation step
+    warmstart_reading: float = -1.0  # share of those rows rehearsing the reader's rungs; -1 = auto (0.5 for small, else 0)
     warmstart_streams: int = 48      # scripted streams that make the imitation data
     eval_attempts: int = 2           # from-scratch attempts per task when eval_temperature > 0 (benchmark: 4)
     eval_temperature: float = 0.0    # 0 = greedy evaluation (then one from-scratch attempt is exact)
@@ -133,7 +134,9 @@ class Args:
 
     def __post_init__(self):
         if self.warmstart_steps < 0:     # auto: the smoke model, codebase and a given start policy skip it
-            self.warmstart_steps = 150 if (self.model != "tiny" and self.env == "alchemy" and not self.init_from) else 0
+            self.warmstart_steps = 300 if (self.model != "tiny" and self.env == "alchemy" and not self.init_from) else 0
+        if self.warmstart_reading < 0:   # auto: only the reader rehearses its reading (scratch never learned one)
+            self.warmstart_reading = 0.5 if self.model == "small" else 0.0
         if self.model == "tiny":         # the smoke run: the whole pipeline, minimal sizes
             for name, value in dict(streams_per_step=1, group_size=2, segment=1, max_turns=6,
                                     max_new_tokens=16, memory_tokens=48, eval_attempts=1, eval_streams=2).items():
@@ -169,6 +172,7 @@ class Args:
         for name in ("kl_coef", "clip_low", "clip_high", "beta", "lam", "eval_temperature"):
             cli.check_number(name, getattr(self, name), lo=0)
         cli.check_number("warmstart_threshold", self.warmstart_threshold, lo=0)
+        cli.check_number("warmstart_reading", self.warmstart_reading, lo=0, hi=1)
         cli.check(self.behav_imp_weight_cap == 0 or self.behav_imp_weight_cap > 1, "--behav-imp-weight-cap must be 0 (off) or > 1")
         cli.check(self.clip_ratio_c == 0 or self.clip_ratio_c > 1, "--clip-ratio-c must be 0 (off) or > 1")
         check(self.warmstart_mode in ("protocol", "imitation"), f"--warmstart-mode must be protocol or imitation, got {self.warmstart_mode!r}")
@@ -696,6 +700,8 @@ def main(argv=None) -> Run:
         if run.state["step"] % args.checkpoint_every == 0 or run.state["step"] == args.steps:
             save_checkpoint(run)
     if run.d.is_main:
+        if args.model in ("small", "scratch"):
+            log_ladder(run, "after RL")
         after = evaluate_phase(run, run.state["step"], final=True)
         export_policy(run, run.path("final"))
         attributed = attribution_phase(run, after) if args.attribute else None
@@ -784,8 +790,10 @@ def report(run: Run, after: dict, wall_s: float, attributed: dict = None) -> Non
             for key in ("with_notes", "scratch"):
                 print(f"  {name}, {key.replace('_', ' ')}: {_applies(ev.get('reference_match') or {}, key)}")
     if warm:
+        writer = (f", writer format {warm['writer_ok_before']:.2f} -> {warm['writer_ok_after']:.2f}"
+                  if "writer_ok_after" in warm else "")
         print(f"warm start ({run.args.warmstart_mode}): validity {warm['validity_before']:.2f} -> "
-              f"{warm['validity_after']:.2f}, held-out score {warm['score_before']:.2f} -> {warm['score_after']:.2f} "
+              f"{warm['validity_after']:.2f}{writer}, held-out score {warm['score_before']:.2f} -> {warm['score_after']:.2f} "
               f"(6-turn episodes) in {warm['steps']} steps")
     if attributed:
         print("where the RL effect comes from (each actor replayed with stored memories; gain vs its own from scratch):")

@@ -457,20 +457,23 @@ def test_an_apply_of_another_potion_of_the_same_colour_has_the_right_colour():
                    for k in ("colour", "stone"))
 
 
-@pytest.mark.parametrize("threshold, steps", [(0.95, 25), (2.0, 30)])
+@pytest.mark.parametrize("threshold, steps", [(0.95, 50), (2.0, 60)])
 def test_warm_start_stops_at_the_threshold_and_above_one_never(monkeypatch, threshold, steps):
-    """Validity 0 then 1 at every check: a threshold <= 1 ends the warm start at the first check that
-    reaches it (step 25); one above 1 never does, so every --warmstart-steps runs."""
+    """Actor validity 0 then 1 at every check, the writer's format rate 0, 0.5, then 1: a threshold <= 1
+    ends the warm start at the first check where both reach it (step 50, not 25 where only the actor
+    does); one above 1 never does, so every --warmstart-steps runs."""
     import types
     checks = iter([(0.0, 0.0)] + [(1.0, 0.5)] * 10)
+    writer = iter([0.0, 0.5] + [1.0] * 10)
     monkeypatch.setattr(warmstart, "format_validity", lambda *a, **k: next(checks))
+    monkeypatch.setattr(warmstart, "writer_validity", lambda *a, **k: next(writer))
     monkeypatch.setattr(warmstart, "warmstart_rows", lambda *a, **k: [([1, 2, 3], [0, 1, 1])] * 4)
     updates = []
     learner = types.SimpleNamespace(optimizer=types.SimpleNamespace(param_groups=[{"lr": 0.0}]), gen_model=None,
                                     update=lambda b: updates.append(b) or {})
-    args = rime.parse_args(["--model", "tiny", "--warmstart-steps", "30", "--warmstart-threshold", str(threshold)])
+    args = rime.parse_args(["--model", "tiny", "--warmstart-steps", "60", "--warmstart-threshold", str(threshold)])
     out = warmstart.warm_start(learner, None, envs.make("alchemy", num_trials=1), args, lambda r: None)
-    assert out["steps"] == steps == len(updates) and out["validity_after"] == 1.0
+    assert out["steps"] == steps == len(updates) and out["validity_after"] == 1.0 and out["writer_ok_after"] == 1.0
 
 
 def test_protocol_warm_start_carries_no_task_knowledge():
@@ -526,3 +529,50 @@ def test_report_interval_is_na_without_one():
     assert rime._ci([-0.1, 0.25]) == "[-0.10, +0.25]"
     assert rime._ci([float("nan"), float("nan")]) == "n/a"
     assert rime._ci([None, None]) == "n/a" and rime._ci(None) == "n/a"
+
+
+def test_random_valid_policy_names_potions_by_colour_and_stays_valid():
+    """The protocol actor's exploring move: one apply syntax with the note reader (a colour on the
+    table), and never an action the environment refuses, along whole episodes."""
+    import random
+    import re
+    from warmstart import random_valid_policy
+    env = envs.make("alchemy", num_trials=1)
+    act = random_valid_policy(random.Random(0))
+    applies = 0
+    for task in env.tasks("train")[:6]:
+        obs, done = env.reset(task), False
+        while not done:
+            action = act(obs)
+            applies += action.startswith("apply ")
+            assert not re.match(r"apply p\d", action), action
+            obs, _, done = env.step(action)
+            assert not env.info.get("invalid"), (action, obs)
+    assert applies
+
+
+def test_warm_start_rehearses_the_readers_rungs(monkeypatch):
+    """--warmstart-reading 0.5: half of every warm-start batch is pretrain.py's acting-phase rows (random
+    words, the rungs the tasks use), so imitating the protocol cannot silently overwrite the reading; the
+    rows carry a loss on their answers only. small's default is 0.5, every other model's 0."""
+    import random
+    import types
+    import pretrain
+    assert rime.parse_args(["--model", "small"]).warmstart_reading == 0.5
+    assert rime.parse_args(["--model", "tiny"]).warmstart_reading == 0.0
+    _, tok = pretrain.load_reader()
+    rows = warmstart.reading_rows(tok, 12, random.Random(0))
+    assert len(rows) == 12 and all(0 < sum(m) < len(t) and len(m) == len(t) for t, m in rows)
+    answers = [tok.decode([x for x, m in zip(t, mk) if m]) for t, mk in rows]
+    assert any("<action>apply " in a for a in answers) and any("<action>" not in a for a in answers)
+    monkeypatch.setattr(warmstart, "format_validity", lambda *a, **k: (0.0, 0.0))
+    monkeypatch.setattr(warmstart, "writer_validity", lambda *a, **k: 0.0)
+    monkeypatch.setattr(warmstart, "warmstart_rows", lambda *a, **k: [([1, 2, 3], [0, 1, 1])] * 20)
+    sizes = []
+    learner = types.SimpleNamespace(optimizer=types.SimpleNamespace(param_groups=[{"lr": 0.0}]), gen_model=None,
+                                    update=lambda b: sizes.append(int((b.lengths > 3).sum())) or {})
+    args = rime.parse_args(["--model", "tiny", "--warmstart-steps", "3", "--warmstart-reading", "0.5"])
+    warmstart.warm_start(learner, tok, envs.make("alchemy", num_trials=1), args, lambda r: None)
+    assert sizes == [4, 4, 4]           # 4 of each batch of 8 are reading rows (the protocol rows are 3 tokens)
+    with pytest.raises(SystemExit):
+        rime.parse_args(["--model", "small", "--warmstart-reading", "1.5"])
