@@ -1,8 +1,19 @@
+import json
 import os
 import sys
 
 # tests import the flat modules from the repository root
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def send_json(handler, status: int, obj) -> None:
+    """Answer a stub HTTP server's request (from a BaseHTTPRequestHandler) with obj as JSON."""
+    data = json.dumps(obj).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
 
 
 def run_episode(env, task, policy) -> float:

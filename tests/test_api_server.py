@@ -17,6 +17,7 @@ import bench
 import chat_api
 import judge
 import rime
+from conftest import send_json
 from rollout import WRITER_SYSTEM, Episode, writer_prompt
 
 GOOD_JUDGE = json.dumps({"new_discoveries": 2, "error_correction": 0, "verification_targets": 1,
@@ -50,12 +51,7 @@ class Server:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 status, reply = server.answer(body)
                 server.requests.append((body, status))
-                data = json.dumps(reply).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                send_json(self, status, reply)
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True

@@ -13,6 +13,7 @@ import pytest
 
 import chat_api
 import judge
+from conftest import send_json
 from judge import (DIMENSIONS, RETRY, ApiError, HeuristicJudge, LLMJudge, chat, local_complete,
                    openai_complete, parse_reply)
 
@@ -225,12 +226,7 @@ class _Stub:
                             "message": "response_format: json_object is not supported by this server",
                             "type": "invalid_request_error", "param": "response_format", "code": None}}]
                     if kind == "error":
-                        data = json.dumps(rest[0]).encode()
-                        self.send_response(arg)
-                        self.send_header("Content-Type", "application/json")
-                        self.send_header("Content-Length", str(len(data)))
-                        self.end_headers()
-                        self.wfile.write(data)
+                        send_json(self, arg, rest[0])
                         return
                     if kind == "sleep":
                         time.sleep(arg)
@@ -240,13 +236,7 @@ class _Stub:
                         self.end_headers()
                         self.wfile.write(b'{"error": "stub"}')
                         return
-                    data = json.dumps({"choices": [{"message": {"role": "assistant",
-                                                                "content": arg}}]}).encode()
-                    self.send_response(200)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
+                    send_json(self, 200, {"choices": [{"message": {"role": "assistant", "content": arg}}]})
                 except (BrokenPipeError, ConnectionResetError):
                     pass   # the client gave up (timeout test)
 
