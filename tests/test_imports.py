@@ -33,7 +33,7 @@ ALLOWED = {
     "judge": {"generate", "model", "chat_api"},   # pure, but for its optional local and HTTP backends
     "ppo_loss": set(),                            # the PPO objective: pure functions of tensors
     "ppo": {"ppo_loss"},                          # the learner knows nothing of agents or environments
-    "warmstart": {"curriculum", "rollout", "ppo", "alchemy"},
+    "warmstart": {"curriculum", "rollout", "ppo", "alchemy", "pretrain", "rewards"},   # pretrain: the reading rehearsed
     "pretrain": {"cli", "alchemy", "rollout", "model"},   # the reader: synthetic data in Alchemy's templates, the ladder
     "attribution": {"rewards", "rollout"},        # RIME's diagnostic: stored memories replayed across actors   # RIME's warm start: scripted rows + sft in the learner
     "published": set(),                           # the papers' published figures: data only
