@@ -45,7 +45,8 @@ the 22 held-out ones at best): the leaking column differs from task to task, and
 split cannot show which it is (tests/test_autoresearch.py checks a grid of fixed recipes). An agent could still find the column by
 analysing the training data (it correlates with y far more than any real feature): a data scientist's
 check, not a hole in the grader. `relay_policy`. `extra_train_relay` adds that many relay tasks per
-training lab.
+training lab. `relay_fact` (camg_eval's relay stages): the fact is the leaking column, as the recipe's
+`DROP=[c]` or the note's `column xc`.
 
 Simplified on purpose: one model family and one metric (accuracy), small data (1,500 training
 rows, 8 columns) so that a run takes well under a second on 2 cores; no leaderboard, no medals.
@@ -55,7 +56,7 @@ import re
 
 import numpy as np
 
-from workspace import MEMORY_DIR, ShellTaskEnv, Task, Workspace, read_workspace_file
+from workspace import MEMORY_DIR, ShellTaskEnv, Task, Workspace, read_workspace_file, whole_word
 
 SUCCESS_THRESHOLD = 0.5
 NUM_TRAIN, NUM_VAL, NUM_TEST, NUM_COLUMNS = 1500, 500, 1000, 8
@@ -245,14 +246,29 @@ class AutoResearchEnv(ShellTaskEnv):
             self._built[task.id] = (files, test_y, baseline, reference, recipes[best])
         return self._built[task.id]
 
+    def lab_note(self, task: Task) -> str | None:
+        """What the `note` action of a relay task shows (once); None for a task without a note."""
+        if not task.data.get("note"):
+            return None
+        best = self.build(task)[4]
+        return (f"Lab note (shown once): column x{best['DROP'][1:-1]} leaks the label in train and val and is "
+                "noise in test. An earlier run found the best recipe: " + " ".join(f"{k}={v}" for k, v in best.items()))
+
+    def relay_fact(self, task: Task) -> dict | None:
+        """The fact a relay task carries (camg_memory's relay stages): the leaking column, as the recipe
+        writes it (DROP=[c], any spacing) or as the note names it (column xc); None without a note."""
+        note = self.lab_note(task)
+        if note is None:
+            return None
+        c = self.build(task)[4]["DROP"][1:-1]
+        return {"source": note, "values": [rf"DROP\s*=\s*\[\s*{c}\s*\]|{whole_word(f'column x{c}')}"]}
+
     # --- episode
 
     def reset(self, task: Task) -> str:
         assert task.env == "autoresearch", f"AutoResearchEnv got a task of env {task.env!r}"
-        files, self.hidden_labels, self.baseline, self.reference, best = self.build(task)
-        self.note = (f"Lab note (shown once): column x{best['DROP'][1:-1]} leaks the label in train and val and is "
-                     "noise in test. An earlier run found the best recipe: "
-                     + " ".join(f"{k}={v}" for k, v in best.items())) if task.data.get("note") else None
+        files, self.hidden_labels, self.baseline, self.reference, _ = self.build(task)
+        self.note = self.lab_note(task)
         self.workspace.clear()  # a fresh copy of the task; only the memory folder carries over
         workdir = self.workdir
         for rel, text in files.items():

@@ -21,7 +21,9 @@ value loss, explained variance, grad norm, tokens/s, staleness, the reset protoc
 (every episode the learner received, its fate: train / stale / failed / unused, and its resets: CONTINUATION.md
 written / empty / missing / stale before each, read after or not), warmstart.jsonl, ckpt/ (resumed by default),
 eval.md, eval.json and summary.json (held-out success before and after RL with paired 95% CIs, per
-evaluation memory mode, and the reset statistics; camg_eval.summary).
+evaluation memory mode, the reset statistics, and the relay stages: where each held-out relay episode
+failed, from the note never opened to the fact used and the task still failed; camg_eval.summary). Every
+evaluation's relay stages are also in its eval.json row, and the report prints them as a table.
 
 How it works (as in AReaL's asynchronous PPO):
 - Rollout workers generate continuously with the newest weights they have, over streams of training
@@ -70,7 +72,7 @@ import torch.multiprocessing
 from tqdm import tqdm
 
 import cli
-from camg_eval import ENV_NAMES, effect_table, evaluate, merge, summary, table2
+from camg_eval import ENV_NAMES, effect_table, evaluate, merge, relay_stages, summary, table2
 from camg_memory import MEMORY_MODES, memory_note
 from camg_worker import RolloutWorker, build_model, env_maker, reference_episodes, worker_main
 from exchange import Exchange, Sample, session_dir
@@ -471,7 +473,8 @@ def run_eval(run: Run, label: str, modes: list[str]) -> dict:
         rows = [(f"this run: {cfg.model}, {label} (update {run.step}), memory {mode}", res) for mode, res in out.items()]
         text = table2(rows)
         (run.run_dir / "eval.md").write_text(f"Success (%) on test tasks, greedy ({label})\n\n{text}\n")
-        run.append("eval.json", {"update": run.step, "label": label, "results": dict(rows)})
+        run.append("eval.json", {"update": run.step, "label": label, "results": dict(rows),
+                                 "relay_stages": {mode: relay_stages(res) for mode, res in out.items()}})
         print0(f"\nSuccess (%) on test tasks, greedy, {label} (the paper's Table 2 layout)\n{text}")
     return out
 
@@ -570,8 +573,9 @@ def train(run: Run, num_spawn: int, remote_workers: bool) -> None:
 
 
 def report(run: Run, before, after: dict) -> None:
-    """summary.json and the before/after table with the reset statistics (rank 0). --eval-only writes
-    summary_eval.json instead and prints the reset statistics only: the run's own summary stays."""
+    """summary.json and the before/after table with the reset statistics and the relay stages (rank 0).
+    --eval-only writes summary_eval.json instead and prints the reset statistics and relay stages only:
+    the run's own summary stays."""
     if not run.d.is_main:
         return
     s = summary(before, after, time.time() - run.t0)

@@ -1,23 +1,49 @@
 """camg.py's evaluation and report: greedy test streams per environment, success in the CAMG paper's
 Table 2 layout beside the published rows (published.py), and the run's summary (summary.json): the RL effect
 (held-out success before and after RL, per environment and averaged, with paired 95% CIs), success
-after RL per evaluation memory mode, and the reset protocol's statistics over the evaluation episodes.
+after RL per evaluation memory mode, the reset protocol's statistics over the evaluation episodes, and
+where relay episodes fail (before RL and after, per memory mode).
 
 `evaluate` returns per environment {"success", "score", "num", "failed"} (sums over the episodes) and
-"episodes": one record per test task {"task", "success", "resets": [{"before", "read"}, ...]}.
+"episodes": one record per test task {"task", "success", "resets": [{"before", "read"}, ...], "relay"}.
+"relay" is camg_memory.relay_progress of the episode, computed from what it did (its actions,
+observations and memory files at each reset): how far it carried its relay fact, or None for a task
+that is not a relay task.
+
+Relay stages (`relay_stages`, `relay_table`): the relay episodes of an environment counted at the first
+stage each fails at, the success deciding the last one:
+  not_opened   the note (memo, lab note, CI report) was never shown;
+  no_reset     no context reset came after it, and the task failed;
+  not_written  the fact was not in any memory file the episode wrote before that reset;
+  not_read     no command after the reset printed it from that file;
+  not_used     read, but the actions after the reset do not name it;
+  used_wrong   used, and the task still failed;
+  solved       the task succeeded, however far the fact was carried (solved_not_carried counts the
+               successes whose fact never made it through a reset: solved before any reset, by luck,
+               or from what the shop's page still showed).
+The fact per environment (each env's relay_fact): Shop, the note's options for the goal's category;
+DeepResearch, the memo's person (or an entity the chain reaches from them); AutoResearch, the leaking
+column (DROP=[c]); Coding, the bug's function or file. An environment with no relay episode in the
+evaluation (--family standard, or no relay family) is "n/a", never a row of zeros: a 0 in a stage's
+column means that no episode stopped there.
 """
 from __future__ import annotations
 
 import torch
 
 import published
-from camg_memory import ProtocolEnv, apply_memory_mode, memory_note
+from camg_memory import RELAY_PROGRESS, ProtocolEnv, apply_memory_mode, episode_relay_progress, memory_note
 from exchange import to_samples
 from rewards import mean_ci95
 from rollout import run_episodes
 
 ENV_NAMES = ("shop", "coding", "deepresearch", "autoresearch")
 TITLES = {"shop": "Shop", "coding": "Coding", "deepresearch": "DeepResearch", "autoresearch": "AutoResearch"}
+# the first stage a relay episode fails at (the module docstring), in order, with the report's column titles
+RELAY_STAGES = {"not_opened": "note not opened", "no_reset": "no reset after it", "not_written": "not written",
+                "not_read": "not read back", "not_used": "read, not used", "used_wrong": "used, still wrong",
+                "solved": "solved"}
+NOT_CARRIED = RELAY_PROGRESS[:RELAY_PROGRESS.index("not_used")]   # the fact never got through a reset
 
 
 def by_group(tasks) -> list[list]:
@@ -75,11 +101,14 @@ def evaluate(cfg, model, tokenizer, mode: str, rank: int = 0, world: int = 1, ma
                                memory=[memory_note(e, mode != "blank") for e in envs_], temperature=0.0,
                                seed=cfg.seed, max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens,
                                context_budget=cfg.context_budget)
-            for s in to_samples(eps, [n for n, _, _ in live], 0, -1, 0.0, envs_):
+            samples = to_samples(eps, [n for n, _, _ in live], 0, -1, 0.0, envs_)
+            for ep, e, s in zip(eps, envs_, samples):
                 r = results[s.env]
                 for key, v in (("success", s.success), ("score", s.score), ("num", 1), ("failed", bool(s.error))):
                     r[key] += v
-                r["episodes"].append({"task": s.task_id, "success": s.success, "resets": s.reset_log})
+                # relay progress now, while e still holds this episode's record (the next task resets it)
+                r["episodes"].append({"task": s.task_id, "success": s.success, "resets": s.reset_log,
+                                      "relay": episode_relay_progress(ep, e)})
     finally:
         for _, e, _ in streams:
             e.close()
@@ -157,21 +186,67 @@ def reset_stats(results: dict) -> dict:
             "success_without_reset": share([e["success"] for e in eps if not e["resets"]])}
 
 
+def relay_stage(progress: str, success: float) -> str:
+    """An episode's relay stage (RELAY_STAGES) from its relay progress and its success."""
+    if success:
+        return "solved"
+    return "used_wrong" if progress == "used" else progress
+
+
+def relay_stages(results: dict) -> dict:
+    """Per env (in ENV_NAMES order): its relay episodes counted at the first stage each fails at
+    (RELAY_STAGES, every stage present), with relay_episodes, not_relay (the env's other episodes, not
+    counted) and solved_not_carried; "n/a" for an env whose evaluation had no relay episode."""
+    out = {}
+    for name in [n for n in ENV_NAMES if n in results] + [n for n in results if n not in ENV_NAMES]:
+        eps = results[name]["episodes"]
+        relay = [e for e in eps if e.get("relay")]     # None: not a relay task (or an evaluation that predates it)
+        if not relay:
+            out[name] = "n/a"
+            continue
+        counts = dict.fromkeys(RELAY_STAGES, 0)
+        for e in relay:
+            counts[relay_stage(e["relay"], e["success"])] += 1
+        out[name] = {**counts, "relay_episodes": len(relay), "not_relay": len(eps) - len(relay),
+                     "solved_not_carried": sum(bool(e["success"]) and e["relay"] in NOT_CARRIED for e in relay)}
+    return out
+
+
 def summary(before: dict | None, after_by_mode: dict, wall_s: float) -> dict:
-    """summary.json: rl_effect, per_env, after_by_memory, resets (after RL, first memory mode), wall_s."""
+    """summary.json: rl_effect, per_env, after_by_memory, resets (after RL, first memory mode), relay_stages
+    ({"before_rl": relay_stages or None without a before-RL evaluation, "after_rl": {mode: relay_stages}}), wall_s."""
     first = next(iter(after_by_mode.values()))
     overall, per_env = rl_effect(before, first) if before is not None else ({}, {})
     by_memory = {mode: {"success": sum(r["success"] / r["num"] for r in res.values() if r["num"]) /
                         max(sum(1 for r in res.values() if r["num"]), 1),
                         "per_env": {n: r["success"] / r["num"] for n, r in res.items() if r["num"]}}
                  for mode, res in after_by_mode.items()}
+    relay = {"before_rl": relay_stages(before) if before is not None else None,
+             "after_rl": {mode: relay_stages(res) for mode, res in after_by_mode.items()}}
     return {"rl_effect": overall, "per_env": per_env, "after_by_memory": by_memory,
-            "resets": reset_stats(first), "wall_s": wall_s}
+            "resets": reset_stats(first), "relay_stages": relay, "wall_s": wall_s}
+
+
+def relay_table(rows: list[tuple[str, dict]]) -> str:
+    """Markdown: per evaluation (label, relay_stages) and env, the relay episodes counted at the first
+    stage each fails at; "n/a" for an env without relay episodes."""
+    lines = ["| evaluation | env | relay episodes | " + " | ".join(RELAY_STAGES.values()) + " |",
+             "|---" * (len(RELAY_STAGES) + 3) + "|"]
+    for label, per_env in rows:
+        for name, c in per_env.items():
+            if c == "n/a":
+                cells = ["n/a"] * (len(RELAY_STAGES) + 1)
+            else:
+                cells = [str(c["relay_episodes"])] + [str(c[k]) for k in RELAY_STAGES]
+                if c["solved_not_carried"]:
+                    cells[-1] += f" ({c['solved_not_carried']} not carried)"
+            lines.append(f"| {label} | {TITLES.get(name, name)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def effect_table(s: dict) -> str:
-    """The before/after table of a summary, and its reset statistics, as text (the statistics only for
-    an evaluation with nothing before it, --eval-only)."""
+    """The before/after table of a summary, its reset statistics and its relay stages, as text (the
+    statistics and stages only for an evaluation with nothing before it, --eval-only)."""
     pct = lambda x: "nan" if x != x else f"{100 * x:.1f}"            # noqa: E731
     lines = []
     if s["per_env"]:
@@ -185,4 +260,11 @@ def effect_table(s: dict) -> str:
                  f"reset at least once; CONTINUATION.md written before {pct(r['written_before_reset'])}% of resets, "
                  f"read back after {pct(r['read_after_reset'])}%; success {pct(r['success_with_reset'])}% with a "
                  f"reset vs {pct(r['success_without_reset'])}% without.")
+    relay = s.get("relay_stages")
+    if relay:
+        after = "after RL" if s["per_env"] else "evaluation"
+        rows = ([("before RL", relay["before_rl"])] if relay["before_rl"] is not None else []) + \
+            [(f"{after}, memory {mode}", per_env) for mode, per_env in relay["after_rl"].items()]
+        lines += ["", "Relay episodes by the first stage they fail at (the fact shown once, needed after a "
+                  "context reset; camg_eval's docstring defines each stage)", relay_table(rows)]
     return "\n".join(lines)

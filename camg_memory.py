@@ -21,6 +21,9 @@ the protocol needs to be measured and learned:
   context (nothing else asks during an episode: the tests check the count against `num_resets`).
 - `reset_outcomes` turns the record into one dict per reset: {"before": "written" | "empty" |
   "missing" | "stale", "read": bool}; camg.py logs them per episode.
+- `relay_progress`: how far a relay episode carried its fact across the reset (below), from what the
+  episode did: its actions and observations (rollout's Episode, with the turn of each reset) and the
+  memory files it had written at each reset (`ProtocolEnv.notes_at_reset`).
 - `memory_action_turns` marks the turns whose action writes or reads a memory file (the
   `--mask-memory-actions` ablation puts loss mask 0 on their tokens).
 - `CarryingAgent` and `run_reference`: an environment's reference policy run through the same
@@ -28,6 +31,20 @@ the protocol needs to be measured and learned:
   wrote to CONTINUATION.md (carry=True: it writes its notes when asked and `cat`s them back first
   thing after the reset; carry=False: it starts over from the task). These are the warm start's
   trajectories, and the tests' proof that a relay task needs the file.
+
+Relay stages. A relay task shows a fact once (Shop's shopping note, DeepResearch's memo, AutoResearch's
+lab note, Coding's CI report) that is needed after a context reset. Each env's `relay_fact(task)` says
+what the fact is: {"source": text only the shown note holds, "values": regexes that must all match
+where the fact is written}; None for a task of another family. An episode stops at the first of:
+  not_opened   no observation holds the source (the note was never shown);
+  no_reset     no context reset came after it (nothing had to be carried);
+  not_written  at that reset, no memory file written in this episode holds every value;
+  not_read     no later command on the memory files (naming .agent_memory or CONTINUATION.md)
+               printed the values (its output, not its echo);
+  not_used     the later task actions (those not on memory files) do not name every value;
+  used         all passed (the task may still have failed: camg_eval's "used_wrong").
+The values are searched as regexes, case-insensitively, wherever they stand in the text: a file that
+holds them by chance (a copied item page listing every size) counts as written.
 
 Design choice: the protocol is *recorded, not enforced*. Writing and reading the file is rewarded
 only through the task (an episode that loses a fact at a reset fails its task), as in the CAMG
@@ -38,6 +55,7 @@ from __future__ import annotations
 import re
 
 from rollout import ACTOR_SYSTEM, CONTINUATION_PATH, ChatFormat, agent_loop, list_paths
+from workspace import shell_echo
 
 FILE = CONTINUATION_PATH.split("/", 1)[1]      # "CONTINUATION.md" inside .agent_memory/
 MEMORY_MODES = ("full", "blank", "shuffle", "continuation", "wiped")
@@ -45,6 +63,7 @@ NO_MEMORY, KEPT = "No saved memory files yet.", " Notes you write under .agent_m
 MAX_CHARS = 1200                               # the file's bound: enough for a task's facts, not a transcript
 MEMORY_NOTE_CHARS = 1600                       # memory_note's bound, whatever the folder holds
 OUTCOMES = ("written", "empty", "missing", "stale")
+RELAY_PROGRESS = ("not_opened", "no_reset", "not_written", "not_read", "not_used", "used")   # relay_progress
 
 # a shell command that prints the file (not one that only redirects into it)
 _READ_RE = re.compile(r"\b(cat|head|tail|nl|less|more|sed|awk|grep)\b[^|;&>]*CONTINUATION\.md")
@@ -103,6 +122,8 @@ class ProtocolEnv:
     def __init__(self, env, max_chars: int = MAX_CHARS, wipe_at_reset: bool = False):
         self.env, self.max_chars, self.wipe_at_reset = env, max_chars, wipe_at_reset
         self.start, self.wrote, self.resets, self.reads = None, False, [], []
+        self.files_at_start, self.notes_at_reset = {}, []   # the memory folder at reset(); per context reset,
+        # the files written in this episode as they stood then (before a wipe): where a relay fact was carried
         self.live = False   # inside an episode (between reset and done): a memory_files() call is a reset
 
     def __getattr__(self, name):
@@ -113,7 +134,9 @@ class ProtocolEnv:
 
     def reset(self, task):
         obs = self.env.reset(task)
-        self.start, self.wrote, self.resets, self.reads = self._file(), False, [], []
+        self.files_at_start = self.env.memory_files()
+        self.start, self.wrote, self.resets, self.reads = self.files_at_start.get(FILE), False, [], []
+        self.notes_at_reset = []
         self.live = True
         return obs
 
@@ -124,6 +147,7 @@ class ProtocolEnv:
         self.resets.append("missing" if text is None else "empty" if not text.strip()
                            else "written" if self.wrote else "stale")
         self.reads.append(False)
+        self.notes_at_reset.append({k: v for k, v in files.items() if self.files_at_start.get(k) != v})
         if self.wipe_at_reset and self.live and text is not None:   # the "wiped" ablation: recorded, then gone
             files = {k: v for k, v in files.items() if k != FILE}
             self.env.set_memory_files(files)
@@ -153,6 +177,60 @@ class ProtocolEnv:
 def reset_outcomes(env: ProtocolEnv) -> list[dict]:
     """The episode just run on env: one {"before", "read"} per reset."""
     return [{"before": b, "read": r} for b, r in zip(env.resets, env.reads)]
+
+
+# ----------------------------------------------------------------------------- relay stages
+
+def has_fact(values: list[str], text: str) -> bool:
+    """Every value regex of a relay fact occurs in text (case-insensitively)."""
+    return all(re.search(v, text, re.I) for v in values)
+
+
+def command_output(action: str, obs: str) -> str:
+    """What a command printed: its observation without the shell's echo of the command (the text
+    envs show `$ <command>` first, workspace.shell_echo), which names whatever the command names."""
+    cmd = _shell(action)
+    echo = shell_echo(cmd.strip()) + "\n" if cmd is not None else None
+    return obs[len(echo):] if echo is not None and obs.startswith(echo) else obs
+
+
+def relay_progress(fact: dict, actions: list[str], observations: list[str], reset_turns: list[int],
+                   notes_at_reset: list[dict]) -> str:
+    """How far one relay episode carried its fact: the first stage of RELAY_PROGRESS it did not pass, or
+    "used" (the module docstring). observations[t + 1] answers actions[t] (observations[0] is the task);
+    reset_turns[k]: the turns taken before context reset k; notes_at_reset[k]: the memory files written
+    in this episode as they stood at that reset ({path: text}). The reset that counts is the first after
+    the turn that showed the source: before it there is nothing to carry."""
+    assert len(reset_turns) == len(notes_at_reset), \
+        f"{len(reset_turns)} resets but {len(notes_at_reset)} memory snapshots: not one ProtocolEnv episode"
+    values = fact["values"]
+    shown = next((t for t, obs in enumerate(observations[1:]) if fact["source"] in obs), None)
+    if shown is None:
+        return "not_opened"
+    k = next((k for k, turns in enumerate(reset_turns) if turns > shown), None)
+    if k is None:
+        return "no_reset"
+    files = [path for path, text in notes_at_reset[k].items() if has_fact(values, text)]
+    if not files:
+        return "not_written"
+    after = list(zip(actions, observations[1:]))[reset_turns[k]:]
+    # read back: a command on the memory files (it names .agent_memory or CONTINUATION.md) printed the values
+    if not any(_MEMORY_RE.search(a) and has_fact(values, command_output(a, o)) for a, o in after):
+        return "not_read"
+    if not has_fact(values, "\n".join(a for a, _ in after if not _MEMORY_RE.search(a))):
+        return "not_used"
+    return "used"
+
+
+def episode_relay_progress(ep, env) -> str | None:
+    """relay_progress of an Episode just run on env (a ProtocolEnv whose environment has relay_fact);
+    None for a task of another family, an environment with no relay family, or an episode that could
+    not run (its reset raised)."""
+    fact_of = getattr(env, "relay_fact", None)
+    fact = fact_of(ep.task) if callable(fact_of) and not ep.error else None
+    if fact is None:
+        return None
+    return relay_progress(fact, ep.actions, ep.observations, ep.reset_turns, env.notes_at_reset)
 
 
 def turn_spans(mask: list[int]) -> list[tuple[int, int]]:

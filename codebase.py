@@ -40,7 +40,8 @@ shows the CI report once per episode: the failing (hidden) test ids and the bise
 file, function and line. Under a small
 context budget the report is gone after a CONTINUATION.md reset, so the bug is found only if the
 location is written down before the reset and read back after it. `relay_policy` is its reference.
-Grading and reward are the standard ones.
+Grading and reward are the standard ones. `CodingEnv.relay_fact` (camg_eval's relay stages): the fact is
+the bug's location, its function (qualified, or its last name) or its file.
 
 Simplified on purpose: the hidden tests come from the release's own test files, not from the
 upstream PR's test patch; test dependencies are pip-installed into the cache, not per-task images;
@@ -71,7 +72,7 @@ from codebase_tasks import (DATA_DIR, REPOS, ROOT, SWEBENCH_FIELDS, TEST_DEPS, R
 from grader import distrust, junit_key, parse_python, plant_controls, read_report
 from sandbox import remove_tree
 from workspace import (COPY_MAX_BYTES, MEMORY_DIR, Task, Workspace, WorkspaceEnv, copy_tree, env_error_observation,
-                       read_workspace_file)
+                       read_workspace_file, whole_word)
 
 MAX_STEPS = 40            # the RIME benchmark's turn budget
 COMMAND_TIMEOUT = 30.0    # seconds per agent shell command
@@ -539,6 +540,16 @@ class CodingEnv(CodebaseEnv):
         if task.data.get("relay"):
             return relay_policy(task)
         return super().reference_policy(task)
+
+    def relay_fact(self, task: Task) -> dict | None:
+        """The fact a relay task carries (camg_memory's relay stages): the bug's location, as its function
+        (qualified, e.g. Dataset.stack, or its last name) or its file, one value of alternatives; None
+        for a standard task."""
+        if not task.data.get("relay"):
+            return None
+        file, function, _ = task.data["location"]
+        names = dict.fromkeys([function, function.rsplit(".", 1)[-1], file])
+        return {"source": ci_report(task.data), "values": ["|".join(f"(?:{whole_word(n)})" for n in names)]}
 
     def score(self, resolved: bool, step: int) -> float:
         return float(resolved)

@@ -32,6 +32,8 @@ Relay family (`relay_per_region` > 0, difficulty 3; camg.py's laptop preset): a 
 person (and the hops found) are gone unless written to CONTINUATION.md and read back: the task is
 solved only through the file. `relay_policy` is its reference. `extra_train_relay` adds that many
 relay tasks per training region, drawn from their own random stream (the other tasks stay the same).
+`relay_fact` (camg_eval's relay stages): the fact is the memo's person, or any entity the chain
+reaches from them (a hop found before the reset carries the same information forward).
 
 Hidden: the answer lives only in the env's memory; the corpus is reached through search/open and
 never written to the workspace. Difficulty = hops - 2 (0, 1, 2).
@@ -45,7 +47,7 @@ from collections import Counter
 
 import numpy as np
 
-from workspace import BM25, MEMORY_DIR, ShellTaskEnv, Task, Workspace, tokenize
+from workspace import BM25, MEMORY_DIR, ShellTaskEnv, Task, Workspace, tokenize, whole_word
 
 SYLLABLES = ["ka", "vel", "dor", "mi", "ra", "tan", "sil", "bo", "ren", "gal", "thu", "lio", "fe",
              "nor", "ush", "ve", "pra", "zel", "mo", "ir", "ca", "den", "lu", "sor", "qua", "bri",
@@ -264,6 +266,16 @@ class DeepResearchEnv(ShellTaskEnv):
                             data={"question": question, "path": path, "answer": answer,
                                   "memo": f"Memo (shown once): the person in question is {start}."}))
         return out
+
+    def relay_fact(self, task: Task) -> dict | None:
+        """The fact a relay task carries (camg_memory's relay stages): the memo's person or any entity
+        of the chain after them (the answer included), as one value of alternatives; None without a memo."""
+        if "memo" not in task.data:
+            return None
+        chain = [re.search(MEMO_RE, task.data["memo"]).group(1)]
+        for rel in task.data["path"]:
+            chain.append(self.ents[chain[-1]][rel])
+        return {"source": task.data["memo"], "values": ["|".join(f"(?:{whole_word(e)})" for e in chain)]}
 
     # --- episode
 

@@ -92,6 +92,7 @@ class Episode:
     num_format_errors: int = 0
     num_resets: int = 0
     num_unsaved_resets: int = 0       # resets with no room left to ask for the continuation file
+    reset_turns: list[int] = field(default_factory=list)   # num_turns at each reset: actions[:n] came before it
     done: bool = False
     finish: str = ""                  # "done" | "turns" | "error"
     error: str = ""                   # why an episode could not run (reset raised, ...): not trained on
@@ -470,6 +471,7 @@ def _mechanical_reset(fmt, ep, env, system_prompt, max_new_tokens, context_budge
     and the memory file *paths*, never their contents. Samples nothing."""
     ep.segments.append(Segment(ep.tokens, ep.loss_mask, ep.logprobs, ep.temperature, ep.top_p))
     ep.num_resets += 1
+    ep.reset_turns.append(ep.num_turns)
     ep.reset_pending = False
     files = getattr(env, "memory_files", None)
     paths = sorted(files().keys()) if callable(files) else []

@@ -36,9 +36,19 @@ agent satisfy the hard ones later in the stream. The reference policy does exact
 
 Relay family (`relay_per_shopper` > 0, difficulty 3; camg.py's laptop preset): the instruction gives the
 category, attributes and price limit, and says the options are on the shopping note, `click[note]`,
-shown once per episode (it lists options for every category: the agent finds its own). Under a small
-context budget the note is gone after a CONTINUATION.md reset, so the task is solved only if the
-options are written down before the reset and read back after it. `relay_policy` is its reference.
+shown once per episode (it lists options for every category: the agent finds its own). The note puts
+each value right after its keys, one line per option, so that the words the goal gives (the category,
+then the option's name) sit just before the value a small model has to copy:
+
+    Shopping note (shown once):
+    - jacket size m
+    - jacket color red
+    - t-shirt size xs
+    ...
+
+Under a small context budget the note is gone after a CONTINUATION.md reset, so the task is solved
+only if the options are written down before the reset and read back after it. `relay_policy` is its
+reference (it carries the note's own lines); `relay_fact` tells camg_eval what to look for.
 `extra_train_relay` adds that many relay tasks per training shopper (more notes to learn to carry),
 drawn from their own random stream, so the test split and every other task stay the same.
 
@@ -53,7 +63,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from workspace import BM25, MEMORY_DIR, ShellTaskEnv, Task, Workspace, tokenize
+from workspace import BM25, MEMORY_DIR, ShellTaskEnv, Task, Workspace, tokenize, whole_word
 
 SIZES = ["xs", "s", "m", "l", "xl"]
 COLORS = ["black", "white", "blue", "red", "green", "grey", "navy", "beige", "pink", "yellow"]
@@ -239,10 +249,16 @@ class ShopEnv(ShellTaskEnv):
         lists = {c: {n: vals[int(rng.integers(len(vals)))] for n, vals in CATEGORIES[c][1].items()}
                  for c in CATEGORIES}   # the note covers every category: the agent finds its own
         lists[goal["category"]] = goal["options"]
-        note = "Shopping note (shown once): " + "; ".join(
-            f"for the {c}: " + " ".join(f"{k_}={v}" for k_, v in o.items()) for c, o in lists.items())
+        note = "Shopping note (shown once):\n" + "\n".join(note_lines(c, o) for c, o in lists.items())
         return Task(id=f"shop/{shopper['id']}/relay{k:02d}", env="shop", difficulty=3, group=shopper["id"],
                     split=split, data={"goal": goal, "shopper": shopper, "note": note})
+
+    def relay_fact(self, task: Task) -> dict | None:
+        """The fact a relay task carries (camg_memory's relay stages): the options the note gives for the
+        goal's category, each value as a whole word; None for a task without a note."""
+        if "note" not in task.data:
+            return None
+        return {"source": task.data["note"], "values": [whole_word(v) for v in task.data["goal"]["options"].values()]}
 
     # --- episode
 
@@ -365,19 +381,25 @@ class ShopEnv(ShellTaskEnv):
         return policy
 
 
+def note_lines(category: str, options: dict) -> str:
+    """A category's lines of the shopping note, each value right after its keys: "- jacket size m"."""
+    return "\n".join(f"- {category} {name} {value}" for name, value in options.items())
+
+
 def relay_policy(task: Task):
     """The reference for a relay task: read the note, then shop for those options. It reads the options
     (and the item page it was on: the shop's page survives a context reset) from any observation that
-    shows them (the note, or a CONTINUATION.md holding the lines notes() gives), so a fresh copy after
-    a context reset resumes from the carried file."""
+    shows them (the note, or a CONTINUATION.md holding the note's own lines for the category, which
+    notes() gives), so a fresh copy after a context reset resumes from the carried file."""
     goal = parse_instruction(f"Instruction: {task.data['goal']['instruction']}")
     st = {"opts": None, "asked": False, "page": None, "tried": set(), "pages_seen": 0, "fallback": False}
+    option_line = re.compile(rf"^- {re.escape(goal['category'])} (\w+) (\S+)$", re.M)   # note_lines' form
+
+    def read_options(obs: str) -> None:
+        st["opts"] = st["opts"] or dict(option_line.findall(obs)) or None
 
     def policy(obs: str) -> str:
-        m = (re.search(rf"for the {re.escape(goal['category'])}:((?: \w+=[^\s;]+)+)", obs)
-             or re.search(r"^- shopping note:((?: \w+=\S+)+)$", obs, re.M))
-        if m and st["opts"] is None:
-            st["opts"] = dict(re.findall(r"(\w+)=(\S+)", m.group(1)))
+        read_options(obs)
         if st["opts"] is None and not st["asked"]:
             st["asked"] = True
             return "click[note]"
@@ -390,11 +412,10 @@ def relay_policy(task: Task):
         st["page"] = obs.split("\nActions:")[0] if obs.startswith("[B") else ""
         return browse(st, {**goal, "fields": st["opts"] or {}}, {}, obs)
     def absorb(obs: str) -> None:                    # see an observation without acting on it
-        m = re.search(rf"for the {re.escape(goal['category'])}:((?: \w+=[^\s;]+)+)", obs)
-        st["opts"] = st["opts"] or (dict(re.findall(r"(\w+)=(\S+)", m.group(1))) if m else None)
+        read_options(obs)
         st["page"] = obs.split("\nActions:")[0] if obs.startswith("[B") else ""
     policy.absorb = absorb
-    policy.notes = lambda: ([f"- shopping note: {' '.join(f'{k}={v}' for k, v in st['opts'].items())}",
+    policy.notes = lambda: ([*note_lines(goal["category"], st["opts"]).split("\n"),
                              f"- browsing: pages_seen={st['pages_seen']} fallback={int(st['fallback'])} "
                              f"tried={' '.join(sorted(st['tried']))}"] if st["opts"] else []) + \
         ([f"- item page: {st['page'].replace(chr(10), ' || ')}"] if st["page"] else [])

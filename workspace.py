@@ -78,6 +78,13 @@ def read_workspace_file(workdir, rel: str, max_bytes: int) -> str | None:
         os.close(fd)
 
 
+def shell_echo(command: str) -> str:
+    """The first line(s) of Workspace.shell's observation: `$ ` and the command (its first ECHO_CHARS
+    characters). What the command printed starts after it (camg_memory.command_output cuts it off)."""
+    shown = command if len(command) <= ECHO_CHARS else f"{command[:ECHO_CHARS]}... [{len(command):,} characters]"
+    return f"$ {sanitize(shown)}"
+
+
 def shown_name(name: str) -> str:
     """A file name as text that is safe anywhere (a prompt, a tokenizer, a dict key): bytes that are not
     UTF-8 and every character that is not printable (escapes, newlines) are written as backslash escapes."""
@@ -320,8 +327,7 @@ class Workspace:
             status = f"timed out after {self.timeout:.0f}s" if self.say_timeout else "timed out"
         else:
             status = f"exit {r.exit_code}"
-        shown = command if len(command) <= ECHO_CHARS else f"{command[:ECHO_CHARS]}... [{len(command):,} characters]"
-        return f"$ {sanitize(shown)}\n{out.rstrip()}\n({status})"
+        return f"{shell_echo(command)}\n{out.rstrip()}\n({status})"
 
     def stop(self) -> None:
         """End the sandbox and every process it started; the files stay."""
@@ -432,6 +438,12 @@ class ShellTaskEnv(WorkspaceEnv):
 
 def tokenize(text: str) -> list[str]:
     return re.findall(r"[a-z0-9]+", text.lower())
+
+
+def whole_word(text: str) -> str:
+    """A regex for text as a whole word (or phrase): no letter, digit, _ or - right before or after it.
+    The relay facts (each env's relay_fact) are written with it."""
+    return rf"(?<![\w-]){re.escape(text)}(?![\w-])"
 
 
 class BM25:

@@ -5,6 +5,7 @@ Fake environments stand in where a test needs an environment that raises or a co
 `rollout.parse_action` is patched so the random tiny model's replies reach env.step() at all."""
 import copy
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -132,7 +133,16 @@ def test_smoke_single_process_then_resume(tmp_path):
     assert "| Shop | Coding | DeepResearch | AutoResearch | Avg |" in table and "(paper: released figures)" in table
     assert "this run: tiny, after RL (update 2)" in out and "success before RL" in out and "Resets (evaluation" in out
     summary = json.loads((run / "summary.json").read_text())
-    assert set(summary) == {"rl_effect", "per_env", "after_by_memory", "resets", "wall_s"}
+    assert set(summary) == {"rl_effect", "per_env", "after_by_memory", "resets", "relay_stages", "wall_s"}
+    # relay stages from a real evaluation: every held-out task of the default family is a relay task, each
+    # counted once, at one stage, before and after RL (in eval.json for every evaluation too)
+    relay = summary["relay_stages"]
+    for per_env in (relay["before_rl"], relay["after_rl"]["full"], *(r["relay_stages"]["full"] for r in jsonl(run / "eval.json"))):
+        assert set(per_env) == {"shop", "deepresearch", "autoresearch"}
+        for counts in per_env.values():
+            assert counts["relay_episodes"] == 2 and counts["not_relay"] == 0
+            assert sum(counts[k] for k in camg_eval.RELAY_STAGES) == 2
+    assert "Relay episodes by the first stage" in out and "| before RL | Shop | 2 |" in out
     assert set(summary["rl_effect"]) == {"success_before", "success_after", "delta", "ci95", "tasks"}
     assert set(summary["per_env"]) == {"shop", "deepresearch", "autoresearch"} and summary["rl_effect"]["tasks"] == 6
     assert set(summary["resets"]) == {"episodes", "with_reset", "written_before_reset", "read_after_reset",
@@ -150,7 +160,8 @@ def test_smoke_single_process_then_resume(tmp_path):
                            "--eval-tasks", "2", "--max-turns", "3", "--max-new-tokens", "16"])
     camg.learner_main(cfg, camg.Dist())
     assert (run / "summary.json").read_text() == kept
-    assert json.loads((run / "summary_eval.json").read_text())["rl_effect"] == {}
+    evaluated = json.loads((run / "summary_eval.json").read_text())
+    assert evaluated["rl_effect"] == {} and evaluated["relay_stages"]["before_rl"] is None
     # rerunning the finished run's command evaluates again and pairs with its stored before-RL evaluation
     (run / "summary.json").unlink()
     cfg = camg.parse_args(["--model", "tiny", "--steps", "3", "--num_workers", "0", "--run_dir", str(run),
@@ -571,3 +582,169 @@ def test_wiped_mode_deletes_the_file_at_each_reset_and_then_the_reference_fails(
             e.close()
     reset = [ep for ep in eps if ep.num_resets]
     assert reset and not any(ep.info.get("success") for ep in reset)
+    # its relay stages say why: the fact was written before the reset, then never read back (the file was gone)
+    progress = [camg_memory.episode_relay_progress(ep, e) for ep, e in zip(eps, envs_) if ep.num_resets]
+    assert progress and set(progress) == {"not_read"}, progress
+
+
+# ----------------------------------------------------------------------------- relay stages
+
+
+@pytest.mark.parametrize("name", ["shop", "deepresearch", "autoresearch"])
+def test_relay_progress_of_real_reference_episodes(name):
+    """At camg.py's preset, the reference policy's relay episodes through rollout's loop: carrying the fact,
+    every one that resets after the note wrote it, read it back and (but in Shop, where the options may be
+    picked before the reset and the item page stays) used it; starting over after a reset instead, every
+    failure is "not written"."""
+    cfg, tok = camg.Config(), camg_worker.small_tokenizer()
+    for carry in (True, False):
+        proto = camg_worker.make_env(name, "relay")
+        tasks = proto.tasks("test")[:6]
+        envs_ = [ProtocolEnv(proto)] + [ProtocolEnv(proto.clone()) for _ in tasks[1:]]
+        try:
+            for e in envs_:
+                e.set_memory_files({})
+            agents = [camg_memory.CarryingAgent(lambda t=t, e=e: e.reference_policy(t), carry) for t, e in zip(tasks, envs_)]
+            eps = camg_memory.run_reference(tok, envs_, tasks, agents, [camg_memory.memory_note(e, False) for e in envs_],
+                                            context_budget=cfg.context_budget, max_turns=cfg.max_turns,
+                                            max_new_tokens=cfg.max_new_tokens)
+        finally:
+            for e in envs_:
+                e.close()
+        progress = [(bool(ep.info.get("success")), camg_memory.episode_relay_progress(ep, e)) for ep, e in zip(eps, envs_)]
+        if carry:
+            assert all(ok for ok, _ in progress) and any(p != "no_reset" for _, p in progress), progress
+            assert {p for _, p in progress} <= ({"used", "not_used", "no_reset"} if name == "shop" else {"used", "no_reset"})
+        else:
+            assert any(not ok for ok, _ in progress) and all(p == "not_written" for ok, p in progress if not ok), progress
+
+
+def shop_relay_record(opened=True, reset=True, written=True, read=True, used=True, note_after_reset=False):
+    """A synthetic Shop relay episode (what rollout's Episode and ProtocolEnv record) that passes the
+    stages asked for: the note opened, the options written to CONTINUATION.md, a reset, the file read
+    back, the options clicked. Returns (fact, actions, observations, reset_turns, notes_at_reset)."""
+    import shop
+    from workspace import shell_echo
+    env = shop.ShopEnv(relay_per_shopper=1, tasks_per_shopper=0)
+    task = env.tasks("test")[0]
+    fact, goal = env.relay_fact(task), task.data["goal"]
+    lines = shop.note_lines(goal["category"], goal["options"])
+
+    def shell(cmd, out):                                    # a shell action and its observation, echo first
+        return f"shell: {cmd}", f"{shell_echo(cmd)}\n{out}\n(exit 0)"
+    turns = [("search[jacket]", "Results for \"jacket\" (page 1/1):")] if note_after_reset else []
+    turns += [("click[note]", task.data["note"]) if opened else ("click[back]", "Page: search")]
+    write = f"printf '%s\\n' '{lines}' > .agent_memory/CONTINUATION.md"
+    turns += [shell(write if written else "printf 'shopping' > .agent_memory/CONTINUATION.md", "")]
+    reset_turns = [len(turns)] if reset else []
+    turns += [shell("cat .agent_memory/CONTINUATION.md", lines) if read else shell("ls", "")]
+    turns += [(f"click[{v}]", "[B1] ... selected: ...") for v in goal["options"].values()] if used else []
+    turns += [("buy", "Bought [B1] ... Reward 0.50")]
+    if note_after_reset:
+        reset_turns = [1]                                   # a reset before the note: nothing to carry yet
+    actions, obs = [a for a, _ in turns], [f"Instruction: {goal['instruction']}"] + [o for _, o in turns]
+    notes = [{"CONTINUATION.md": lines if written else "shopping"}] * len(reset_turns)
+    env.close()
+    return fact, actions, obs, reset_turns, notes
+
+
+def test_relay_progress_stops_at_the_first_stage_an_episode_fails():
+    """Each stage of a synthetic relay episode taken away in turn: the progress says which one it stopped at."""
+    from camg_memory import relay_progress
+    assert relay_progress(*shop_relay_record()) == "used"
+    assert relay_progress(*shop_relay_record(used=False)) == "not_used"
+    assert relay_progress(*shop_relay_record(read=False)) == "not_read"
+    assert relay_progress(*shop_relay_record(written=False)) == "not_written"
+    assert relay_progress(*shop_relay_record(reset=False)) == "no_reset"
+    assert relay_progress(*shop_relay_record(note_after_reset=True)) == "no_reset", "the reset must come after the note"
+    assert relay_progress(*shop_relay_record(opened=False)) == "not_opened"
+    # a command's echo is not its output: writing the options again after the reset is not reading them back
+    fact, actions, obs, turns, notes = shop_relay_record()
+    from workspace import shell_echo
+    again = f"printf '%s\\n' '{notes[0]['CONTINUATION.md']}' > .agent_memory/CONTINUATION.md"
+    actions[turns[0]], obs[turns[0] + 1] = f"shell: {again}", f"{shell_echo(again)}\n\n(exit 0)"
+    assert relay_progress(fact, actions, obs, turns, notes) == "not_read"
+    # no memory file written in this episode (ProtocolEnv leaves out what an earlier task left): not written
+    assert relay_progress(fact, *shop_relay_record()[1:4], [{}]) == "not_written"
+    # a command that names the file but prints nothing of it (the wiped ablation: the file is gone)
+    fact, actions, obs, turns, notes = shop_relay_record()
+    obs[turns[0] + 1] = "$ cat .agent_memory/CONTINUATION.md\ncat: .agent_memory/CONTINUATION.md: No such file\n(exit 1)"
+    assert relay_progress(fact, actions, obs, turns, notes) == "not_read"
+
+
+def test_protocol_env_keeps_the_files_written_before_each_reset(tmp_path):
+    """notes_at_reset: per reset, the memory files this episode wrote as they stood then (a file left by an
+    earlier task does not count; the wiped ablation deletes the file only after it is kept)."""
+    import shop
+    env = ProtocolEnv(shop.ShopEnv(relay_per_shopper=1, tasks_per_shopper=0), wipe_at_reset=True)
+    try:
+        env.set_memory_files({"CONTINUATION.md": "- jacket size m", "old.md": "from the last task"})
+        env.reset(env.tasks("test")[0])
+        env.memory_files()                                      # reset 1: nothing written yet
+        env.step("shell: printf 'fresh' > .agent_memory/CONTINUATION.md")
+        env.memory_files()                                      # reset 2: written, then wiped
+        assert env.notes_at_reset == [{}, {"CONTINUATION.md": "fresh"}]
+        assert "CONTINUATION.md" not in env.env.memory_files()
+    finally:
+        env.close()
+
+
+def test_relay_facts_of_each_environment():
+    """What each env's relay family carries, on a relay task, and None on a task of another family."""
+    import autoresearch
+    import codebase
+    import deepresearch
+    import shop
+    from camg_memory import has_fact
+    s = shop.ShopEnv(relay_per_shopper=1)
+    relay, standard = next(t for t in s.tasks("test") if "note" in t.data), s.tasks("test")[0]
+    fact = s.relay_fact(relay)
+    assert s.relay_fact(standard) is None and fact["source"] == relay.data["note"]
+    assert has_fact(fact["values"], shop.note_lines(relay.data["goal"]["category"], relay.data["goal"]["options"]))
+    assert not has_fact(fact["values"], "memory")
+    d = deepresearch.DeepResearchEnv(relay_per_region=1)
+    task = next(t for t in d.tasks("test") if "memo" in t.data)
+    fact, person = d.relay_fact(task), re.search(deepresearch.MEMO_RE, task.data["memo"]).group(1)
+    assert fact["source"] == task.data["memo"] and d.relay_fact(d.tasks("test")[0]) is None
+    assert has_fact(fact["values"], f"- person: {person}") and has_fact(fact["values"], f"answer[{task.data['answer']}]")
+    a = autoresearch.AutoResearchEnv(relay_per_group=1, tasks_per_group=0)
+    task = a.tasks("test")[0]
+    fact = a.relay_fact(task)
+    c = a.build(task)[4]["DROP"][1:-1]
+    assert fact["source"] == a.lab_note(task) and a.reset(task) and a.step("note")[0] == fact["source"]
+    assert has_fact(fact["values"], f"sed -i 's/^DROP = .*/DROP = [{c}]/' train.py") and has_fact(fact["values"], f"column x{c} leaks")
+    assert not has_fact(fact["values"], f"DROP = [{(int(c) + 1) % 8}]")
+    data = {"relay": True, "location": ["src/tablib/core.py", "Dataset.stack", 12], "FAIL_TO_PASS": ["tests/t.py::a"],
+            "PASS_TO_PASS": ["tests/t.py::b"]}
+    fact = codebase.CodingEnv.relay_fact(None, Task("coding/x/relay", "coding", 3, "tablib", "test", data))
+    assert "Bisect: the failure comes from src/tablib/core.py, function Dataset.stack (line 12)." in fact["source"]
+    assert all(has_fact(fact["values"], t) for t in ("grep -n 'def stack' x.py", "nl -ba src/tablib/core.py", "Dataset.stack"))
+    assert not has_fact(fact["values"], "stacked core") and codebase.CodingEnv.relay_fact(None, Task("c", "coding", 0, "g", "test", {})) is None
+    for e in (s, d, a):
+        e.close()
+
+
+def test_relay_stages_count_each_episode_at_its_first_failed_stage():
+    """relay_stages over evaluation results: one count per stage, a success counted as solved, the env's
+    non-relay episodes apart, and "n/a" (not zeros) for an env without relay episodes; the summary carries
+    them before and after RL, and the report prints them as a table."""
+    def res(progress_success):
+        eps = [{"task": f"t{i}", "success": s, "resets": [], "relay": p} for i, (p, s) in enumerate(progress_success)]
+        return {"success": sum(s for _, s in progress_success), "score": 0.0, "num": len(eps), "failed": 0, "episodes": eps}
+    stages = ["not_opened", "no_reset", "not_written", "not_read", "not_used", "used"]
+    after = {"shop": res([(p, 0.0) for p in stages] + [("used", 1.0), ("no_reset", 1.0), (None, 1.0)]),
+             "deepresearch": res([(None, 0.0), (None, 1.0)])}
+    counts = camg_eval.relay_stages(after)
+    assert counts["deepresearch"] == "n/a"
+    assert counts["shop"] == {"not_opened": 1, "no_reset": 1, "not_written": 1, "not_read": 1, "not_used": 1,
+                              "used_wrong": 1, "solved": 2, "relay_episodes": 8, "not_relay": 1, "solved_not_carried": 1}
+    before = {"shop": res([("not_opened", 0.0)] * 3), "deepresearch": res([(None, 0.0)] * 2)}
+    assert camg_eval.relay_stages(before)["shop"]["not_opened"] == 3 and camg_eval.relay_stages(before)["shop"]["solved"] == 0
+    s = camg_eval.summary(before, {"full": after}, 1.0)
+    assert s["relay_stages"]["before_rl"]["shop"]["relay_episodes"] == 3 and s["relay_stages"]["after_rl"]["full"] == counts
+    text = camg_eval.effect_table(s)
+    assert "| before RL | Shop | 3 | 3 | 0 | 0 | 0 | 0 | 0 | 0 |" in text
+    assert "| after RL, memory full | Shop | 8 | 1 | 1 | 1 | 1 | 1 | 1 | 2 (1 not carried) |" in text
+    assert "| after RL, memory full | DeepResearch | n/a |" in text
+    old = {"shop": {**res([]), "episodes": [{"task": "t", "success": 0.0, "resets": []}]}}   # an evaluation from before
+    assert camg_eval.relay_stages(old) == {"shop": "n/a"}
