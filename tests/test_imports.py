@@ -38,7 +38,7 @@ ALLOWED = {
     "attribution": {"rewards", "rollout"},        # RIME's diagnostic: stored memories replayed across actors   # RIME's warm start: scripted rows + sft in the learner
     "published": set(),                           # the papers' published figures: data only
     "ablations": {"cli", "benchutil", "published"},   # runs rime.py / camg.py as subprocesses, never imports them
-    "camg_memory": {"rollout"},                   # camg.py's parts: memory modes and the reset protocol,
+    "camg_memory": {"rollout", "workspace"},      # camg.py's parts: memory modes and the reset protocol,
     "exchange": {"camg_memory"},                  # the records and the exchange between processes,
     "camg_eval": {"camg_memory", "exchange", "published", "rewards", "rollout"},   # evaluation and summary,
     "camg_worker": {"camg_eval", "camg_memory", "exchange", "envs", "model", "rollout"},   # the rollout side
