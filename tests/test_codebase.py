@@ -470,6 +470,24 @@ def test_every_relay_task_has_its_own_fix_at_its_reported_location():
         assert f"def {function.rsplit('.', 1)[-1]}" in "\n".join(lines[:line]), t.id
 
 
+def test_coding_relay_fact_is_the_reported_location():
+    """CodingEnv.relay_fact (camg_eval's relay stages), on every relay task without grading: the source is
+    the CI report, and the fact (the bug's function or file) is what the reference carries and then acts on."""
+    from camg_memory import has_fact
+    env = make("coding", relay=True)
+    try:
+        for t in [t for t in env.tasks("test") if t.data.get("relay")]:
+            fact, (file, function, line) = env.relay_fact(t), t.data["location"]
+            assert fact["source"] == cb.ci_report(t.data), t.id
+            policy = env.reference_policy(t)
+            policy(fact["source"])                              # the report: the location and the first step
+            assert has_fact(fact["values"], "\n".join(policy.notes())), t.id
+            assert has_fact(fact["values"], f"nl -ba {file} | sed -n '1,40p'") and not has_fact(fact["values"], "submit")
+        assert env.relay_fact(next(t for t in env.tasks("test") if not t.data.get("relay"))) is None
+    finally:
+        env.close()
+
+
 def test_relay_tasks_need_the_fact_carried_across_a_context_reset():
     """At camg.py's preset (context budget, turns, reply length, its "small" BPE) the reference policy,
     knowing only its current context, resolves the first held-out relay task of each repository, each
