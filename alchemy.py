@@ -702,10 +702,63 @@ def note_action(needs: dict, best, stones: dict, potions: set):
     return f"need {lacking[0]} {colour} <action>apply {colour} s{sid}</action>"
 
 
-def note_reader_reply(memory: str, obs: str):
-    """note_action on Alchemy's words: the notes parsed from memory, the state from the observation."""
+def explore_action(stones: dict, potions: list) -> str:
+    """The protocol's move where the notes decide nothing, in a fixed order (no chemistry, and greedy-safe:
+    every move is valid and uses up a potion, so a copied move never loops):
+      stones: id -> (three words, value) as the observation shows them; potions: colours on the table, by id.
+    A +15 stone goes into the cauldron; else the first potion on the table is tried on the first stone
+    (lowest id) below +15; with no potion left, the first stone worth more than 0 goes into the cauldron,
+    else the trial ends. Every choice is the first one listed: a copy from the latest state (measured: a
+    warm-started reader picked note_action's "most valuable stone" in about half of the states)."""
+    for sid, (_, value) in sorted(stones.items()):
+        if value == 15:
+            return f"<action>cauldron s{sid}</action>"
+    if not stones:
+        return "<action>end</action>"
+    if potions:
+        return f"<action>apply {potions[0]} s{min(stones)}</action>"
+    positive = [sid for sid, (_, value) in sorted(stones.items()) if value > 0]
+    return f"<action>cauldron s{positive[0]}</action>" if positive else "<action>end</action>"
+
+
+def _observed_state(obs: str):
     state = parse_observation(obs)
     if state is None:
+        return None
+    stones = {sid: (stone_text(bits).split(), value) for sid, (bits, value) in state["stones"].items()}
+    return stones, [COLOURS[c] for _, c in sorted(state["potions"].items())]
+
+
+def protocol_reply(memory: str, obs: str) -> str:
+    """The protocol actor's reply: what the notes decide (note_reader_reply), else explore_action."""
+    seen = _observed_state(obs)
+    if seen is None:
+        return "<action>end</action>"
+    return note_reader_reply(memory, obs) or explore_action(*seen)
+
+
+_SEEN_EFFECT = re.compile(r"\bp\d+ (\w+) on s\d+: (\w+) (\w+)\.")
+_SEEN_BEST = re.compile(r"\bbest (\w+ \w+ \w+)\.")
+
+
+def observed_notes(observations) -> list:
+    """The notes an episode's observations state, transcribed in their own words and order of first sight:
+    "- large pink" for every apply that changed a stone ("p2 pink on s1: large pink. s1 is now ..."), and
+    "- best large purple pointy" once a stone showed it is worth +15. What was seen, never inferred: no
+    blocked edge, no effect a potion did not show, no fact of an earlier task."""
+    notes = []
+    for obs in observations:
+        for colour, gained, named in _SEEN_EFFECT.findall(obs):
+            if named == colour and gained in _WORDS and colour in COLOURS:
+                notes.append(f"- {gained} {colour}")
+        notes += [f"- best {words}" for words in _SEEN_BEST.findall(obs) if _parse_stone_text(words) is not None]
+    return list(dict.fromkeys(notes))
+
+
+def note_reader_reply(memory: str, obs: str):
+    """note_action on Alchemy's words: the notes parsed from memory, the state from the observation."""
+    seen = _observed_state(obs)
+    if seen is None:
         return None
     notes = parse_notes(memory)
     needs = {}
@@ -713,8 +766,7 @@ def note_reader_reply(memory: str, obs: str):
         needs.setdefault(value, colour)
     good = notes["good"]
     best = tuple(good[n] for n in FEATURE_NAMES) if len(good) == 3 else None
-    stones = {sid: (stone_text(bits).split(), value) for sid, (bits, value) in state["stones"].items()}
-    return note_action(needs, best, stones, {COLOURS[c] for c in state["potions"].values()})
+    return note_action(needs, best, seen[0], set(seen[1]))
 
 
 def true_potions(data: dict) -> dict:

@@ -20,9 +20,10 @@ The laptop model starts as a reader: pretrain.py taught it in-context lookup on 
 (notes read and acted on; no fact of any world), and its reading ladder is logged before anything else.
 Then a warm start (`ppo.sft_loss` in the same learner) teaches the protocol. By default
 (--warmstart-mode protocol) it teaches only what a pretrained chat model already knows: the action
-syntax (the protocol actor: it acts on what its memory says, else picks a valid action at random) and
-the memory's two-section shape (lines quoted at random from the trajectory, generic lessons), no task
-knowledge; --warmstart-mode imitation imitates the scripted reference actor and writer, content included. It stops when held-out format validity reaches
+syntax (the protocol actor: it acts on what its memory says, else explores in a fixed order) and
+the memory's two-section shape (an unselective note-taker's: the effects the episode showed, in the
+observations' words, and generic lessons; nothing kept from the previous memory), no task knowledge; --warmstart-mode imitation imitates the scripted reference actor and writer, content included. It stops when the writer's
+held-out format rate and the actor's protocol agreement (imitation: its validity) reach
 `warmstart_threshold`, and is skipped when the model already follows the protocol.
 
 Evaluation: `eval_streams` held-out 3+3 streams over the test worlds (never a training world), with
@@ -112,7 +113,7 @@ class Args:
     traj_chars: int = 1200           # trajectory budget the writer sees
     micro_batch_tokens: int = 16384
     warmstart_steps: int = -1        # max imitation steps before RL; -1 = auto (300 for small/smollm2/dirs on alchemy, 0 for tiny)
-    warmstart_threshold: float = 0.95  # held-out actor validity and writer format rate that end the warm start (> 1: never)
+    warmstart_threshold: float = 0.95  # held-out protocol agreement (imitation: validity) and writer format rate that end the warm start (> 1: never)
     warmstart_lr: float = 3e-3
     warmstart_mode: str = "protocol"  # protocol (action syntax + memory shape only) | imitation (the scripted agent's content too)
     warmstart_batch: int = 8         # rows per imitation step
@@ -792,6 +793,8 @@ def report(run: Run, after: dict, wall_s: float, attributed: dict = None) -> Non
     if warm:
         writer = (f", writer format {warm['writer_ok_before']:.2f} -> {warm['writer_ok_after']:.2f}"
                   if "writer_ok_after" in warm else "")
+        writer += (f", protocol agreement {warm['agreement_before']:.2f} -> {warm['agreement_after']:.2f}"
+                   if "agreement_after" in warm else "")
         print(f"warm start ({run.args.warmstart_mode}): validity {warm['validity_before']:.2f} -> "
               f"{warm['validity_after']:.2f}{writer}, held-out score {warm['score_before']:.2f} -> {warm['score_after']:.2f} "
               f"(6-turn episodes) in {warm['steps']} steps")

@@ -490,14 +490,26 @@ def _mechanical_reset(fmt, ep, env, system_prompt, max_new_tokens, context_budge
 
 def trajectory_text(ep: Episode, budget_chars: int = 4000) -> str:
     """The finished task as the writer sees it: every action with its (truncated) outcome.
-    Observations are cut first so that actions and results survive the budget."""
+    Observations are cut first so that actions and results survive the budget: an observation over its
+    share keeps its first line (the action's outcome, e.g. Alchemy's "p2 pink on s1: large pink. s1 is
+    now ...", up to twice the share), then the head and tail of the rest in what remains of the share."""
     steps = list(zip(ep.actions, ep.observations[1:]))
     per_obs = max(80, (budget_chars - sum(len(a) for a, _ in steps)) // max(1, len(steps)))
     lines = [f"Task: {ep.observations[0][:1000]}" if ep.observations else "Task: (unavailable)"]
     for n, (a, o) in enumerate(steps, 1):
-        o = o if len(o) <= per_obs else o[: per_obs // 2] + " ... " + o[-per_obs // 2:]
-        lines.append(f"Step {n}: <action>{a}</action>\n  -> {o}")
+        lines.append(f"Step {n}: <action>{a}</action>\n  -> {_cut_outcome(o, per_obs)}")
     return "\n".join(lines)[: budget_chars + 1000]
+
+
+def _cut_outcome(o: str, share: int) -> str:
+    if len(o) <= share:
+        return o
+    head, _, rest = o.partition("\n")
+    head = head if len(head) <= 2 * share else head[:2 * share] + " ..."
+    room = share - len(head)
+    if room < 20 or not rest:
+        return head + (" ..." if rest else "")
+    return head + "\n" + rest[: room // 2] + " ... " + rest[-room // 2:]
 
 
 def writer_prompt(ep: Episode, old_memory: str, traj_chars: int = 4000) -> str:

@@ -4,9 +4,10 @@
 
 Two modes (rime.py --warmstart-mode):
   protocol  (default): only what a pretrained chat model already knows. The actor rows come from the
-            protocol actor (the action syntax; it acts on what its memory says, else at random), the
-            writer rows from memories in the two-section shape that quote random outcome lines and
-            generic lessons: no task knowledge, so RL has to teach the content;
+            protocol actor (the action syntax; it acts on what its memory says, else explores in a
+            fixed order), the writer rows from an unselective note-taker's memories in the two-section
+            shape: the effects the episode's observations stated, in their words, and generic lessons.
+            No task knowledge: what to keep across tasks is RL's to learn;
   imitation: the scripted reference actor (env.reference_policy, reading its notes) and the
             scripted writer's memory (alchemy.memory_text of what it inferred): content included.
 Rows are rendered exactly as rollouts are (rollout.run_scripted, rollout.writer_prompt), so the
@@ -25,61 +26,45 @@ import rollout
 from ppo import is_rank0, make_batch, print0
 
 
-GENERIC_LESSONS = ("- Try a potion on a stone and read what changed before planning.",
-                   "- Put a stone in the cauldron only when its value is positive.",
-                   "- End the trial when no move can raise a stone's value.",
-                   "- Use each potion at most once; it is used up either way.",
-                   "- Read the stones and potions listed in each observation.")
+PROTOCOL_LESSONS = ("- Try a potion on a stone and read what changed before planning.",
+                    "- Put a stone in the cauldron only when its value is positive.")
+PROTOCOL_FILLER = ("- The hidden chemistry is the same in every task of this world.",
+                   "- Each potion is used up when applied, whether or not it changes the stone.")
 
 
-def random_valid_policy(rng: random.Random):
-    """An actor that knows the action syntax and nothing else: a uniform draw among the actions
-    valid in the observation (apply COLOUR S for every potion colour on the table and every stone,
-    cauldron S, end). Potions are named by colour, as the note reader names them, so the actor has one
-    apply syntax, and its every apply copies a word the observation lists."""
-    from alchemy import COLOURS, parse_observation
+def protocol_policy(memory: str):
+    """The protocol actor, deterministic: where its memory says what to do, it does that
+    (alchemy.note_reader_reply, the reading the pretraining taught: "need large pink <action>apply pink
+    s1</action>"), whether the memory is true or not; elsewhere it explores in a fixed order
+    (alchemy.explore_action: the first potion on the table on the most valuable stone). It knows no
+    chemistry, and every move it makes is valid, so its greedy imitation is too."""
+    from alchemy import protocol_reply
 
     def act(obs: str) -> str:
-        state = parse_observation(obs)
-        if state is None:
-            return "end"
-        colours = sorted(set(state["potions"].values()))
-        options = [f"apply {COLOURS[c]} s{s}" for c in colours for s in state["stones"]]
-        options += [f"cauldron s{s}" for s in state["stones"]] + ["end"]
-        return rng.choice(options)
+        return protocol_reply(memory, obs)
     return act
 
 
-def protocol_policy(rng: random.Random, memory: str):
-    """The protocol actor: where its memory says what to do, it does that (alchemy.note_reader_reply,
-    the reading the pretraining taught: "need large pink <action>apply pink s1</action>"), whether the
-    memory is true or not; elsewhere a random valid action. It knows no chemistry: a memory of random
-    quotes rarely decides anything, so most of its moves are random."""
-    from alchemy import note_reader_reply
-    explore = random_valid_policy(rng)
-
-    def act(obs: str) -> str:
-        return note_reader_reply(memory, obs) or explore(obs)
-    return act
-
-
-def protocol_memory(ep, rng: random.Random) -> str:
-    """The memory's two-section shape with no inferred knowledge: lines quoted at random from the
-    episode's own observations (what a chat model asked to keep notes would copy, unselected) and
-    generic lessons. Which lines are worth keeping is left for RL to learn."""
-    lines = [o.strip().splitlines()[0] for o in ep.observations[1:] if o.strip()]   # each action's outcome line
-    quoted = rng.sample(lines, min(2, len(lines))) if lines else []
-    facts = [f"- {ln}" for ln in quoted] + ["- The hidden chemistry is the same in every task of this world."]
-    return ("### Repository Knowledge\n" + "\n".join(facts[:3]) + "\n\n### Lessons & Pitfalls\n"
-            + "\n".join(rng.sample(GENERIC_LESSONS, 2)))
+def protocol_memory(ep, traj_chars: int) -> str:
+    """The memory's two-section shape, written by an unselective note-taker: the effects the writer's
+    prompt shows this episode's observations stating (rollout.trajectory_text at `traj_chars`),
+    transcribed in their words ("- large pink", "- best large purple pointy": alchemy.observed_notes),
+    and two generic lessons. It infers nothing and keeps nothing of the previous memory: keeping facts
+    across tasks, fixing wrong ones and choosing what fits the cap is left to RL."""
+    from alchemy import observed_notes
+    facts = observed_notes([rollout.trajectory_text(ep, traj_chars)])
+    facts += list(PROTOCOL_FILLER[:max(0, 2 - len(facts))])
+    return ("### Repository Knowledge\n" + "\n".join(facts) + "\n\n### Lessons & Pitfalls\n"
+            + "\n".join(PROTOCOL_LESSONS))
 
 
 def warmstart_rows(tokenizer, env, tasks, args):
     """Scripted streams rendered exactly as rollouts are: actor rows from run_scripted (loss mask on
     the agent's tokens) and writer rows = the writer prompt rollout.write_memory builds + a target
     memory. Two modes:
-      protocol  (default): the actor is random_valid_policy and the memory protocol_memory: only the
-                action syntax and the memory's shape, no task knowledge (RL has to teach the content);
+      protocol  (default): the actor is protocol_policy and the memory protocol_memory: the action
+                syntax, a fixed exploring order, and the memory's shape transcribing what was seen; no
+                task knowledge (RL has to teach what to keep);
       imitation: the reference actor (env.reference_policy) and the scripted writer's memory
                 (alchemy.memory_text of what it inferred): imitation of the content too."""
     streams = curriculum.make_streams(tasks, args.warmstart_streams, order="easy_to_hard", segment=args.segment,
@@ -91,14 +76,20 @@ def warmstart_rows(tokenizer, env, tasks, args):
     return rows
 
 
-def reading_rows(tokenizer, n: int, rng: random.Random) -> list:
+def reading_data(tokenizer, seed: int):
+    """The reader's item generator (pretrain.Data over its word pool), built once per warm start."""
+    import pretrain
+    data = pretrain.Data(tokenizer, seed)
+    data.use_pool(pretrain.POOL)
+    return data
+
+
+def reading_rows(data, n: int, rng: random.Random) -> list:
     """n rows of the reader's own curriculum (pretrain.py's last phase: notes looked up and acted on, over
     random words), as (tokens, loss mask): rehearsed beside the warm start's rows so that imitating the
     protocol does not overwrite the reading (measured: without them, 150 steps at lr 3e-3 took lookup6
     from 1.00 to 0.16 and the hop from 0.52 to 0.00). Random content: no task knowledge."""
     import pretrain
-    data = pretrain.Data(tokenizer, rng.randrange(2**31))
-    data.use_pool(pretrain.POOL)
     weights = {r: w for r, w in pretrain.PHASES[-1][2].items() if pretrain.RUNGS[r]}
     rungs = rng.choices(list(weights), weights=list(weights.values()), k=n)
     return [(it.tokens, it.mask) for it in (getattr(data, r)() for r in rungs)]
@@ -111,7 +102,6 @@ def scripted_play(tokenizer, env, streams, args):
     (warmstart_rows' docstring)."""
     from alchemy import memory_text
     fmt = rollout.ChatFormat(tokenizer)
-    rng = random.Random(f"warmstart/{args.seed}")
     memories = [""] * len(streams)
     envs_ = [env] + [env.clone() for _ in streams[1:]]
     for t in range(len(streams[0])):
@@ -119,11 +109,11 @@ def scripted_play(tokenizer, env, streams, args):
         if args.warmstart_mode == "imitation":
             pols = [env.reference_policy(task, notes=m or None) for task, m in zip(ts, memories)]
         else:
-            pols = [protocol_policy(rng, m) for m in memories]
+            pols = [protocol_policy(m) for m in memories]
         eps = rollout.run_scripted(tokenizer, envs_, ts, pols, memory=memories)
         for i, (ep, pol) in enumerate(zip(eps, pols)):
             new = (memory_text(pol.knowledge, ep.task.id, ep.score) if args.warmstart_mode == "imitation"
-                   else protocol_memory(ep, rng))
+                   else protocol_memory(ep, args.traj_chars))
             prompt = fmt.prompt(rollout.WRITER_SYSTEM, rollout.writer_prompt(ep, memories[i], args.traj_chars))
             target = fmt.encode(new) + [fmt.end_id]
             yield t, ep, (prompt + target, [0] * len(prompt) + [1] * len(target))
@@ -201,66 +191,105 @@ def _spans(mask) -> list:
     return spans + [cur] if cur else spans
 
 
-def format_validity(model, tokenizer, env, tasks, args, turns=6, with_score=False):
+def format_validity(model, tokenizer, env, tasks, args, turns=6, with_score=False, episodes=None):
     """Share of greedy actor replies on held-out tasks that are valid actions (and the mean score
-    those short episodes reach, if with_score)."""
-    eps = rollout.run_episodes(model, tokenizer, env, tasks, temperature=0.0, max_turns=turns,
-                               max_new_tokens=args.max_new_tokens)
+    those short episodes reach, if with_score). `episodes`: already played ones, instead of playing."""
+    eps = episodes or rollout.run_episodes(model, tokenizer, env, tasks, temperature=0.0, max_turns=turns,
+                                           max_new_tokens=args.max_new_tokens)
     n = sum(ep.num_turns for ep in eps)
     bad = sum(ep.num_format_errors + int(ep.info.get("invalid", 0)) for ep in eps)
     validity = 1.0 - bad / max(n, 1)
     return (validity, sum(ep.score for ep in eps) / len(eps)) if with_score else validity
 
 
-def writer_validity(model, tokenizer, env, tasks, args, turns=6) -> float:
+def writer_validity(model, tokenizer, env, tasks, args, turns=6, episodes=None) -> float:
     """Share of greedy writer memories, written after short greedy held-out episodes from an empty
-    memory, that pass the writer's format gate (rewards.writer_format_ok) uncut: the memory's shape,
-    which the warm start teaches beside the action syntax."""
+    memory (`episodes`, or played here), that pass the writer's format gate (rewards.writer_format_ok)
+    uncut: the memory's shape, which the warm start teaches beside the action syntax."""
     from rewards import writer_format_ok
-    eps = rollout.run_episodes(model, tokenizer, env, tasks, temperature=0.0, max_turns=turns,
-                               max_new_tokens=args.max_new_tokens)
+    eps = episodes or rollout.run_episodes(model, tokenizer, env, tasks, temperature=0.0, max_turns=turns,
+                                           max_new_tokens=args.max_new_tokens)
     ws = rollout.write_memory(model, tokenizer, eps, [""] * len(eps), temperature=0.0,
                               memory_tokens=args.memory_tokens, traj_chars=args.traj_chars)
     return sum(w.status == "ok" and writer_format_ok(w.memory, "")[0] for w in ws) / len(ws)
 
 
+def protocol_agreement(model, tokenizer, env, tasks, args, turns=24) -> float:
+    """Share of the protocol actor's moves that the model's greedy reply repeats exactly, in the states of
+    the protocol's own held-out episodes from an empty memory (its history as the context). Validity
+    counts any valid action; this counts the protocol's: the cash-in moves (a +15 stone into the
+    cauldron, a positive stone once the potions are gone) are rare, and an actor that never makes them
+    is valid and scores 0."""
+    eps = rollout.run_scripted(tokenizer, env, tasks, [protocol_policy("") for _ in tasks], max_turns=turns)
+    wanted, contexts = [], []
+    for ep in eps:
+        ctx = [row.tokens[:span[0]] for row in ep.rows() for span in _spans(row.loss_mask)]
+        wanted += ep.actions[:len(ctx)]
+        contexts += ctx[:len(ep.actions)]
+    was_training = model.training
+    model.eval()
+    guesses = rollout.greedy_actions(model, tokenizer, contexts, args.max_new_tokens)
+    model.train(was_training)
+    return sum(g == w for g, w in zip(guesses, wanted)) / max(len(wanted), 1)
+
+
+def held_out_check(model, tokenizer, env, tasks, args, turns=6) -> dict:
+    """On short greedy held-out episodes (one set for the first three): the actor's validity, the mean
+    score, the writer's format rate; and the protocol agreement on the first 4 tasks (protocol mode)."""
+    eps = rollout.run_episodes(model, tokenizer, env, tasks, temperature=0.0, max_turns=turns,
+                               max_new_tokens=args.max_new_tokens)
+    validity, score = format_validity(model, tokenizer, env, tasks, args, with_score=True, episodes=eps)
+    out = {"validity": validity, "score": score,
+           "writer_ok": writer_validity(model, tokenizer, env, tasks, args, episodes=eps)}
+    if args.warmstart_mode == "protocol":
+        out["agreement"] = protocol_agreement(model, tokenizer, env, tasks[:4], args)
+    return out
+
+
 def warm_start(learner, tokenizer, env, args, log) -> dict:
+    """SFT on the scripted rows until the held-out check passes: the writer's format rate and the actor's
+    protocol agreement (protocol mode) or validity (imitation) both at `warmstart_threshold`."""
     gen = learner.gen_model
     held_out = env.tasks("test")[: 8]
-    before, score_before = format_validity(gen, tokenizer, env, held_out, args, with_score=True)
-    writer_before = writer_validity(gen, tokenizer, env, held_out, args)
-    log({"phase": "warmstart", "step": 0, "validity": before, "writer_ok": writer_before, "score": score_before})
-    if min(before, writer_before) >= args.warmstart_threshold:
-        print0(f"warm start skipped: format validity {before:.2f} and writer format {writer_before:.2f} >= {args.warmstart_threshold}")
-        return {"validity_before": before, "validity_after": before, "writer_ok_before": writer_before,
-                "writer_ok_after": writer_before, "steps": 0, "score_before": score_before, "score_after": score_before}
+    actor_gate = "agreement" if args.warmstart_mode == "protocol" else "validity"
+
+    def passes(c):
+        return min(c[actor_gate], c["writer_ok"]) >= args.warmstart_threshold
+
+    def summary(before, after, steps):
+        return {**{f"{k}_before": v for k, v in before.items()}, **{f"{k}_after": v for k, v in after.items()},
+                "steps": steps}
+    first = held_out_check(gen, tokenizer, env, held_out, args)
+    log({"phase": "warmstart", "step": 0, **first})
+    if passes(first):
+        print0(f"warm start skipped: {actor_gate} {first[actor_gate]:.2f} and writer format "
+               f"{first['writer_ok']:.2f} >= {args.warmstart_threshold}")
+        return summary(first, first, 0)
     rows = warmstart_rows(tokenizer, env, env.tasks("train"), args)
-    print0(f"warm start ({args.warmstart_mode}): {len(rows)} rows, {sum(len(r[0]) for r in rows)} tokens; validity {before:.2f}")
+    print0(f"warm start ({args.warmstart_mode}): {len(rows)} rows, {sum(len(r[0]) for r in rows)} tokens; "
+           f"validity {first['validity']:.2f}")
     rng = random.Random(args.seed)
     n_reading = round(args.warmstart_batch * args.warmstart_reading)
+    reading = reading_data(tokenizer, rng.randrange(2**31)) if n_reading else None
     if n_reading:
         print0(f"warm start: {n_reading} reading rows (pretrain.py's rungs) rehearsed in each batch of {args.warmstart_batch}")
     for g in learner.optimizer.param_groups:
         g["lr"] = args.warmstart_lr
     from tqdm import tqdm
     bar = tqdm(range(1, args.warmstart_steps + 1), desc="warm start", disable=not is_rank0())
-    validity, writer_ok, step, score_after = before, writer_before, 0, score_before
+    check, step = first, 0
     for step in bar:
         batch = rng.sample(rows, min(args.warmstart_batch - n_reading, len(rows)))
-        batch += reading_rows(tokenizer, n_reading, rng) if n_reading else []
+        batch += reading_rows(reading, n_reading, rng) if n_reading else []
         b = make_batch([r[0] for r in batch], [[0] * len(r[1]) for r in batch], sft_mask=[r[1] for r in batch])
         stats = learner.update(b)
         bar.set_postfix(sft=f"{stats.get('sft_loss', 0):.3f}")
         if step % 25 == 0 or step == args.warmstart_steps:   # the last check is also the final figure
-            validity, score_after = format_validity(learner.gen_model, tokenizer, env, held_out, args, with_score=True)
-            writer_ok = writer_validity(learner.gen_model, tokenizer, env, held_out, args)
-            log({"phase": "warmstart", "step": step, "sft_loss": stats.get("sft_loss"), "validity": validity,
-                 "writer_ok": writer_ok})
-            if min(validity, writer_ok) >= args.warmstart_threshold:
+            check = held_out_check(learner.gen_model, tokenizer, env, held_out, args)
+            log({"phase": "warmstart", "step": step, "sft_loss": stats.get("sft_loss"), **check})
+            if passes(check):
                 break
     for g in learner.optimizer.param_groups:
         g["lr"] = args.lr
-    log({"phase": "warmstart", "step": step, "validity": validity, "writer_ok": writer_ok, "score": score_after, "final": True})
-    return {"validity_before": before, "validity_after": validity, "writer_ok_before": writer_before,
-            "writer_ok_after": writer_ok, "steps": step,
-            "score_before": score_before, "score_after": score_after}
+    log({"phase": "warmstart", "step": step, **check, "final": True})
+    return summary(first, check, step)

@@ -8,7 +8,7 @@ import pytest
 
 import envs
 from alchemy import (ALL_EDGES, COLOURS, AlchemyEnv, FEATURE_NAMES, FEATURES, LEVELS, Chemistry, chemistry_of,
-                     format_notes, note_reader_reply, oracle_policy, parse_action, parse_notes, parse_observation, stone_text,
+                     explore_action, format_notes, note_reader_reply, observed_notes, oracle_policy, parse_action, parse_notes, parse_observation, stone_text,
                      stone_value, trial_optimum)
 from envs import Task
 
@@ -388,3 +388,30 @@ def test_the_note_reader_acts_only_on_what_its_notes_decide():
     assert note_reader_reply("", obs15) == "<action>cauldron s2</action>"
     # the reader reads whatever the notes say: a false note is followed as faithfully as a true one
     assert note_reader_reply("- large red\n- best large purple pointy", obs) == "need large red <action>apply red s2</action>"
+
+
+def test_the_protocol_explores_in_a_fixed_order():
+    """explore_action: a +15 stone into the cauldron; else the first potion on the table on the first stone;
+    no potion left: the first positive stone into the cauldron, else end."""
+    stones = {1: (["small", "blue", "round"], -3), 2: (["small", "purple", "pointy"], 1), 3: (["large", "blue", "pointy"], 1)}
+    assert explore_action(stones, ["red", "pink"]) == "<action>apply red s1</action>"
+    assert explore_action({**stones, 3: (["large", "purple", "pointy"], 15)}, ["red"]) == "<action>cauldron s3</action>"
+    assert explore_action(stones, []) == "<action>cauldron s2</action>"
+    assert explore_action({1: (["small", "blue", "round"], -3)}, []) == "<action>end</action>"
+    assert explore_action({}, ["red"]) == "<action>end</action>"
+
+
+def test_observed_notes_transcribe_only_what_the_observations_said():
+    """The protocol writer's facts: an apply that changed a stone gives "- large pink" (its words, its
+    order), a stone at +15 (after an apply or in the cauldron) gives "- best ..."; "no effect", an invalid
+    action, or a stone description are never read as an effect; repeats are noted once."""
+    obs = ["Symbolic Alchemy ...\nStones: s1 small purple pointy (value +1)\nPotions: p1 pink, p2 red",
+           "p1 pink on s1: large pink. s1 is now large purple pointy (value +15), best large purple pointy.\nStones: ...",
+           "p2 red on s1: no effect.\n", "There is no pink potion. Use: apply P S ...",
+           "p3 pink on s2: large pink. s2 is now large blue round (value -1).",
+           "s1 into the cauldron: value +15, best large purple pointy."]
+    assert observed_notes(obs) == ["- large pink", "- best large purple pointy"]
+    assert parse_notes("\n".join(observed_notes(obs))) == {"potions": {"pink": "large"},
+                                                          "good": dict(zip(FEATURE_NAMES, ("large", "purple", "pointy"))),
+                                                          "blocked": []}
+    assert observed_notes(["p1 pink on s1: large red. s1 is now ..."]) == []     # not its own colour: not an effect

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+import curriculum
 import envs
 import rime
 import rollout
@@ -459,54 +460,52 @@ def test_an_apply_of_another_potion_of_the_same_colour_has_the_right_colour():
 
 @pytest.mark.parametrize("threshold, steps", [(0.95, 50), (2.0, 60)])
 def test_warm_start_stops_at_the_threshold_and_above_one_never(monkeypatch, threshold, steps):
-    """Actor validity 0 then 1 at every check, the writer's format rate 0, 0.5, then 1: a threshold <= 1
-    ends the warm start at the first check where both reach it (step 50, not 25 where only the actor
-    does); one above 1 never does, so every --warmstart-steps runs."""
+    """The actor's protocol agreement 0 then 1 at every check, the writer's format rate 0, 0.5, then 1 (and
+    validity 0.5 throughout: in protocol mode it is logged, not a gate): a threshold <= 1 ends the warm
+    start at the first check where both reach it (step 50, not 25 where only the actor does); one above 1
+    never does, so every --warmstart-steps runs."""
     import types
-    checks = iter([(0.0, 0.0)] + [(1.0, 0.5)] * 10)
-    writer = iter([0.0, 0.5] + [1.0] * 10)
-    monkeypatch.setattr(warmstart, "format_validity", lambda *a, **k: next(checks))
-    monkeypatch.setattr(warmstart, "writer_validity", lambda *a, **k: next(writer))
+    checks = iter([(0.0, 0.0, 0.0), (1.0, 0.5, 0.5)] + [(1.0, 0.5, 1.0)] * 10)   # (agreement, score, writer)
+    monkeypatch.setattr(warmstart, "held_out_check", lambda *a, **k: dict(zip(("agreement", "score", "writer_ok"),
+                                                                            next(checks)), validity=0.5))
     monkeypatch.setattr(warmstart, "warmstart_rows", lambda *a, **k: [([1, 2, 3], [0, 1, 1])] * 4)
     updates = []
     learner = types.SimpleNamespace(optimizer=types.SimpleNamespace(param_groups=[{"lr": 0.0}]), gen_model=None,
                                     update=lambda b: updates.append(b) or {})
     args = rime.parse_args(["--model", "tiny", "--warmstart-steps", "60", "--warmstart-threshold", str(threshold)])
     out = warmstart.warm_start(learner, None, envs.make("alchemy", num_trials=1), args, lambda r: None)
-    assert out["steps"] == steps == len(updates) and out["validity_after"] == 1.0 and out["writer_ok_after"] == 1.0
+    assert out["steps"] == steps == len(updates) and out["agreement_after"] == 1.0 and out["writer_ok_after"] == 1.0
 
 
 def test_protocol_warm_start_carries_no_task_knowledge():
-    """The protocol rows teach the action syntax and the memory's shape: every memory target passes
-    the writer's format gate, states nothing but verbatim quotes of what its prompt showed (the episode's
-    outcomes: an outcome line states its effect in the note's words, so a quote may name one; no effect
-    is inferred),
-    and the actor's actions are all valid."""
+    """The protocol rows teach the action syntax and the memory's shape: every memory target passes the
+    writer's format gate and states nothing but what its own prompt's episode showed, in the
+    observations' words ("- large pink" where an outcome read ": large pink.", "- best ..." where one read
+    "best ..."): no effect is inferred, nothing is carried from the previous memory. The actor's actions
+    are all valid, and its moves are the protocol's (alchemy.protocol_reply)."""
     import alchemy
     from rewards import writer_format_ok
     _, tok = tiny("qwen3", seed=0)
     env = envs.make("alchemy", num_trials=1)
     args = rime.parse_args(["--model", "tiny", "--warmstart-streams", "3", "--segment", "1"])
     assert args.warmstart_mode == "protocol"
-    rows = warmstart.warmstart_rows(tok, env, env.tasks("train"), args)
-    fmt = rollout.ChatFormat(tok)
-    targets = [tok.decode([t for t, m in zip(r[0], r[1]) if m]) for r in rows]
-    memories = [x for x in targets if "### Repository Knowledge" in x]
-    assert len(memories) == 3 * 2            # one per task of each 1+1 stream
-    seen = "\n".join(tok.decode([t for t, m in zip(r[0], r[1]) if not m]) for r in rows)   # what the rows show
-    generic = "- The hidden chemistry is the same in every task of this world."
-    prev, quoted = "", 0
-    for m in memories:
-        m = m.replace(tok.decode([fmt.end_id]), "").strip()
-        knowledge = m.split("### Lessons & Pitfalls")[0].splitlines()[1:]
-        for line in (ln for ln in knowledge if ln.strip() and ln != generic):
-            assert line[2:] in seen, line                      # a quote of an observation, never inferred
-            quoted += 1
-        assert writer_format_ok(m, prev)
+    streams = curriculum.make_streams(env.tasks("train"), 3, order="easy_to_hard", segment=1, seed=args.seed)
+    fillers = set(warmstart.PROTOCOL_FILLER)
+    prev, noted = "", 0
+    for t, ep, (tokens, mask) in warmstart.scripted_play(tok, env, streams, args):
+        prompt = tok.decode([x for x, m in zip(tokens, mask) if not m])
+        episode = prompt.split("## Previous memory")[0]            # the finished task, not the old memory
+        m = tok.decode([x for x, m in zip(tokens, mask) if m]).replace(tok.decode([rollout.ChatFormat(tok).end_id]), "").strip()
+        assert writer_format_ok(m, prev), m
+        for line in (ln for ln in m.split("### Lessons & Pitfalls")[0].splitlines()[1:] if ln.strip()):
+            if line in fillers:
+                continue
+            said = f"{line[2:]}." if line.startswith("- best ") else f": {line[2:]}."
+            assert said in episode, line                       # a transcription of this episode, never inferred
+            noted += 1
+        assert all(alchemy.parse_action(a) for a in ep.actions) and not ep.info.get("invalid")
         prev = m
-    assert quoted
-    actions = [a for x in targets if "<action>" in x for a in x.split("<action>")[1:]]
-    assert actions and all(alchemy.parse_action(a.split("</action>")[0]) for a in actions)
+    assert noted
 
 
 def test_swebench_rows_reach_rime_with_a_clear_error(tmp_path):
@@ -531,24 +530,32 @@ def test_report_interval_is_na_without_one():
     assert rime._ci([None, None]) == "n/a" and rime._ci(None) == "n/a"
 
 
-def test_random_valid_policy_names_potions_by_colour_and_stays_valid():
-    """The protocol actor's exploring move: one apply syntax with the note reader (a colour on the
-    table), and never an action the environment refuses, along whole episodes."""
-    import random
+def test_protocol_actor_is_deterministic_valid_and_acts_on_its_notes():
+    """The protocol actor: with no notes it explores in a fixed order (the first potion on the table, named
+    by its colour, on the first stone), so its replies are a function of the observation and never
+    an action the environment refuses; an apply uses a potion up, so the greedy copy of it cannot loop.
+    With notes that decide, it follows them (true or not)."""
     import re
-    from warmstart import random_valid_policy
+    from warmstart import protocol_policy
     env = envs.make("alchemy", num_trials=1)
-    act = random_valid_policy(random.Random(0))
     applies = 0
     for task in env.tasks("train")[:6]:
+        act = protocol_policy("")
         obs, done = env.reset(task), False
         while not done:
-            action = act(obs)
+            reply = act(obs)
+            assert reply == protocol_policy("")(obs)                 # deterministic
+            action = rollout.parse_action(reply)
             applies += action.startswith("apply ")
             assert not re.match(r"apply p\d", action), action
             obs, _, done = env.step(action)
             assert not env.info.get("invalid"), (action, obs)
     assert applies
+    obs = ("Trial 1 of 1, 20 steps left.\nStones: s1 small blue round (value -3); s2 small purple pointy (value +1)\n"
+           "Potions: p1 red, p2 pink\nActions: apply P S | cauldron S | end")
+    assert protocol_policy("")(obs) == "<action>apply red s1</action>"
+    notes = "### Repository Knowledge\n- large pink\n- best large purple pointy"
+    assert protocol_policy(notes)(obs) == "need large pink <action>apply pink s2</action>"
 
 
 def test_warm_start_rehearses_the_readers_rungs(monkeypatch):
@@ -561,12 +568,11 @@ def test_warm_start_rehearses_the_readers_rungs(monkeypatch):
     assert rime.parse_args(["--model", "small"]).warmstart_reading == 0.5
     assert rime.parse_args(["--model", "tiny"]).warmstart_reading == 0.0
     _, tok = pretrain.load_reader()
-    rows = warmstart.reading_rows(tok, 12, random.Random(0))
+    rows = warmstart.reading_rows(warmstart.reading_data(tok, 0), 12, random.Random(0))
     assert len(rows) == 12 and all(0 < sum(m) < len(t) and len(m) == len(t) for t, m in rows)
     answers = [tok.decode([x for x, m in zip(t, mk) if m]) for t, mk in rows]
     assert any("<action>apply " in a for a in answers) and any("<action>" not in a for a in answers)
-    monkeypatch.setattr(warmstart, "format_validity", lambda *a, **k: (0.0, 0.0))
-    monkeypatch.setattr(warmstart, "writer_validity", lambda *a, **k: 0.0)
+    monkeypatch.setattr(warmstart, "held_out_check", lambda *a, **k: dict(validity=0.0, score=0.0, writer_ok=0.0, agreement=0.0))
     monkeypatch.setattr(warmstart, "warmstart_rows", lambda *a, **k: [([1, 2, 3], [0, 1, 1])] * 20)
     sizes = []
     learner = types.SimpleNamespace(optimizer=types.SimpleNamespace(param_groups=[{"lr": 0.0}]), gen_model=None,
