@@ -137,13 +137,9 @@ def reference_match(model, tokenizer, env, streams, args) -> dict:
     imitation = dataclasses.replace(args, warmstart_mode="imitation")
     states = []                    # (with_notes | scratch, the reference's action, observed state, context)
     for t, ep, _ in scripted_play(tokenizer, env, streams, imitation):
-        contexts = [row.tokens[:span[0]] for row in ep.rows() for span in _spans(row.loss_mask)]
-        for turn, (action, context) in enumerate(zip(ep.actions, contexts)):   # reply turn answers observations[turn]
+        for turn, (action, context) in enumerate(zip(ep.actions, reply_contexts(ep))):   # reply turn answers observations[turn]
             states.append(("with_notes" if t else "scratch", action, parse_observation(ep.observations[turn]), context))
-    was_training = model.training
-    model.eval()
-    guesses = rollout.greedy_actions(model, tokenizer, [s[3] for s in states], args.max_new_tokens)
-    model.train(was_training)
+    guesses = greedy_replies(model, tokenizer, [s[3] for s in states], args.max_new_tokens)
     counts = {}
     for (key, action, state, _), guess in zip(states, guesses):
         kind = action.split()[0] if action.split() else "other"       # apply / cauldron / end
@@ -178,6 +174,20 @@ def _apply_hits(action: str, guess: str, state: dict) -> dict:
             "colour": g_colour is not None and g_colour == colour,
             "colour_chance": sum(c == colour for c in potions.values()) / len(potions),
             "stone": g_stone == s, "stone_chance": 1 / len(stones)}
+
+
+def reply_contexts(ep) -> list:
+    """The context before each of a scripted episode's replies (token ids), in turn order."""
+    return [row.tokens[:span[0]] for row in ep.rows() for span in _spans(row.loss_mask)]
+
+
+def greedy_replies(model, tokenizer, contexts, max_new_tokens: int) -> list:
+    """rollout.greedy_actions in eval mode, the model's mode restored after."""
+    was_training = model.training
+    model.eval()
+    guesses = rollout.greedy_actions(model, tokenizer, contexts, max_new_tokens)
+    model.train(was_training)
+    return guesses
 
 
 def _spans(mask) -> list:
@@ -221,15 +231,9 @@ def protocol_agreement(model, tokenizer, env, tasks, args, turns=24) -> float:
     cauldron, a positive stone once the potions are gone) are rare, and an actor that never makes them
     is valid and scores 0."""
     eps = rollout.run_scripted(tokenizer, env, tasks, [protocol_policy("") for _ in tasks], max_turns=turns)
-    wanted, contexts = [], []
-    for ep in eps:
-        ctx = [row.tokens[:span[0]] for row in ep.rows() for span in _spans(row.loss_mask)]
-        wanted += ep.actions[:len(ctx)]
-        contexts += ctx[:len(ep.actions)]
-    was_training = model.training
-    model.eval()
-    guesses = rollout.greedy_actions(model, tokenizer, contexts, args.max_new_tokens)
-    model.train(was_training)
+    pairs = [pair for ep in eps for pair in zip(ep.actions, reply_contexts(ep))]
+    guesses = greedy_replies(model, tokenizer, [c for _, c in pairs], args.max_new_tokens)
+    wanted = [a for a, _ in pairs]
     return sum(g == w for g, w in zip(guesses, wanted)) / max(len(wanted), 1)
 
 
