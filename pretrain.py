@@ -254,11 +254,14 @@ class Data:
         memory = "### Repository Knowledge\n" + "\n".join(lines) + "\n\n### Lessons & Pitfalls\n" + lessons
         return self.text_item(f"{self.rollout.MEMORY_HEADER}\n{memory}\n\nneed {k}", f" {v}", 1 / len(pairs))
 
-    def state_text(self, stones: dict, potions: list) -> str:
-        """An Alchemy-shaped observation (alchemy.AlchemyEnv's template) with these stones and potions."""
-        st = "; ".join(f"s{i} {' '.join(w)} (value {v:+d})" for i, (w, v) in stones.items())
-        po = ", ".join(f"p{i} {c}" for i, c in enumerate(potions, 1))
-        return (f"Trial 1 of 1, {self.rng.randint(8, 20)} steps left.\nStones: {st}\nPotions: {po}\n"
+    def state_text(self, stones: dict, potions, steps: int = None) -> str:
+        """An Alchemy-shaped observation (alchemy.AlchemyEnv's template) with these stones and potions
+        (a list of colours numbered from p1, or a dict id -> colour)."""
+        st = "; ".join(f"s{i} {' '.join(w)} (value {v:+d})" for i, (w, v) in stones.items()) or "none"
+        ids = potions.items() if isinstance(potions, dict) else enumerate(potions, 1)
+        po = ", ".join(f"p{i} {c}" for i, c in ids) or "none"
+        steps = self.rng.randint(8, 20) if steps is None else steps
+        return (f"Trial 1 of 1, {steps} steps left.\nStones: {st}\nPotions: {po}\n"
                 "Actions: apply P S | cauldron S | end")
 
     def world(self):
@@ -288,11 +291,17 @@ class Data:
         return "### Repository Knowledge\n" + "\n".join(lines) + "\n\n### Lessons & Pitfalls\n" + lessons
 
     def lookup_action(self) -> Item:
+        """One stone, which lacks the key word the goal names: the lookup and the action it implies, with no
+        choice of stone (that is the hop's). Measured (recipe 5): with three stones and the goal naming
+        one of them, the reader got the key and its value right in 97% of items and the stone in a third,
+        i.e. it applied the hop's rule (the most valuable stone), which the goal contradicts."""
         features, colours, best, needs = self.world()
         keep = self.rng.sample(list(needs), self.rng.randint(2, 6))
         k = self.rng.choice(keep)
-        sid = self.rng.randint(1, 3)
-        stones = {i: (tuple(self.rng.choice(p) for p in features), self.rng.choice((-3, -1, 1))) for i in range(1, 4)}
+        sid = self.rng.randint(1, 4)
+        pair = next(p for p in features if k in p)
+        words = tuple(self.rng.choice([w for w in p if w != k]) if p is pair else self.rng.choice(p) for p in features)
+        stones = {sid: (words, self.rng.choice((-3, -1, 1)))}
         potions = self.rng.sample(colours, 5) + [needs[k]]
         self.rng.shuffle(potions)
         user = (f"{self.rollout.MEMORY_HEADER}\n{self.memory(needs, best, keep, features)}\n\n"
@@ -324,9 +333,76 @@ class Data:
         return self.chat_item(user, reply, 1 / (len(set(potions)) * len(stones)))
 
 
+    def history(self) -> Item:
+        """The hop at a later turn: the actor's chat after 1-5 earlier moves in the same random world, each
+        move followed by its outcome, the new state and the turn budget as rollout.py renders them; the
+        reply must act on the latest state only. Earlier moves are the note reader's where the notes
+        decide, else (and half the time anyway) a random potion on a random stone; they carry no loss.
+        Three in ten items end on a +15 stone (the cauldron: the cash-in after the move that made it),
+        the rest on a lookup; a history whose last state the notes do not decide is redrawn."""
+        cauldron = self.rng.random() < 0.3
+        while True:
+            item = self._history(cauldron)
+            if item is not None:
+                return item
+
+    def _history(self, cauldron: bool):
+        from alchemy import note_action
+        features, colours, best, needs = self.world()
+        keep = self.rng.sample(list(needs), self.rng.randint(2, 6))
+        notes, gives = {w: needs[w] for w in keep}, {c: w for w, c in needs.items()}   # colour -> word it gives
+        axis = {w: a for a, pair in enumerate(features) for w in pair}
+
+        def value(words):
+            same = sum(a == b for a, b in zip(words, best))
+            return 15 if same == 3 else 2 * same - 3
+        stones = {}
+        for i in range(1, self.rng.randint(1, 3) + 1):
+            words = tuple(self.rng.choice(p) for p in features)
+            stones[i] = (words, value(words))
+        potions = {i: self.rng.choice(colours) for i in range(1, self.rng.randint(5, 9) + 1)}
+        turns, steps = 20, self.rng.randint(14, 20)
+        user = f"{self.rollout.MEMORY_HEADER}\n{self.memory(needs, best, keep, features)}\n\n{self.state_text(stones, potions, steps)}"
+        tokens = self.fmt.prompt(self.rollout.ACTOR_SYSTEM, user)
+        for _ in range(self.rng.randint(1, 5)):
+            reply = note_action(notes, best, stones, set(potions.values()))
+            if reply is None or self.rng.random() < 0.5:
+                if not potions:
+                    return None
+                reply = f"<action>apply {self.rng.choice(list(potions.values()))} s{self.rng.choice(list(stones))}</action>"
+            act = reply.split("<action>")[1].split("</action>")[0].split()
+            sid = int(act[-1][1:])
+            if act[0] == "cauldron":
+                words, v = stones.pop(sid)
+                outcome = f"s{sid} into the cauldron: value {v:+d}" + (f", best {' '.join(words)}." if v == 15 else ".")
+            else:
+                pid = min(p for p, c in potions.items() if c == act[1])
+                colour, (words, _) = potions.pop(pid), stones[sid]
+                w = gives[colour]
+                if words[axis[w]] == w:
+                    outcome = f"p{pid} {colour} on s{sid}: no effect."
+                else:
+                    words = tuple(w if a == axis[w] else x for a, x in enumerate(words))
+                    stones[sid] = (words, value(words))
+                    tail = f", best {' '.join(words)}" if stones[sid][1] == 15 else ""
+                    outcome = (f"p{pid} {colour} on s{sid}: {w} {colour}. s{sid} is now {' '.join(words)} "
+                               f"(value {stones[sid][1]:+d}){tail}.")
+            steps, turns = steps - 1, turns - 1
+            if not stones:
+                return None
+            tokens += self.fmt.scripted_reply(reply) + self.fmt.user_turn(
+                f"{outcome}\n{self.state_text(stones, potions, steps)}\n{self.rollout.budget_line(turns, 20)}", True)
+        final = note_action(notes, best, stones, set(potions.values()))
+        if final is None or final.startswith("<action>cauldron") != cauldron:
+            return None
+        answer = self.fmt.scripted_reply(final)
+        return Item(tokens + answer, [0] * len(tokens) + [1] * len(answer),
+                    1 / (len(stones) if cauldron else len(set(potions.values())) * len(stones)))
+
+
 # rung -> used by the tasks (the ladder's target applies), in curriculum order
 RUNGS = {"recall": False, "copy": True, "lookup6": True, "lookup12": True, "lookup_cap": True,
-         "lookup_action": True, "hop": True}
+         "lookup_action": True, "hop": True, "history": True}
 # The curriculum, by mastery: (phase, words in the pool (0 = all), {rung: weight}, share of --batch, gate).
 # A phase ends when every gate rung reaches its accuracy on a 64-item check of the phase's pool (every
 # GATE_EVERY steps); the last phase ends when every rung the tasks use reaches --target, or at --steps.
@@ -341,8 +417,8 @@ RUNGS = {"recall": False, "copy": True, "lookup6": True, "lookup12": True, "look
 PHASES = [("recall", 12, {"recall": 1.0}, 1.0, {"recall": 0.5}),
           ("notes", 12, {"recall": 0.2, "copy": 0.1, "lookup6": 0.3, "lookup12": 0.15, "lookup_cap": 0.25}, 1.0,
            {"lookup6": 0.8, "lookup12": 0.8, "lookup_cap": 0.8}),     # the last phase goes on training them
-          ("acting", 12, {"recall": 0.1, "copy": 0.05, "lookup6": 0.05, "lookup12": 0.05, "lookup_cap": 0.15,
-                          "lookup_action": 0.2, "hop": 0.4}, 0.5, None)]
+          ("acting", 12, {"recall": 0.1, "copy": 0.05, "lookup6": 0.05, "lookup12": 0.05, "lookup_cap": 0.1,
+                          "lookup_action": 0.15, "hop": 0.2, "history": 0.3}, 0.5, None)]
 POOL = 12                   # the words the reader is trained and checked on
 POOL_SEED = 5               # the fixed shuffle of the other words (Data.use_pool)
 TASK_WORDS = [w for pair in ("small large".split(), "blue purple".split(), "round pointy".split()) for w in pair] + \

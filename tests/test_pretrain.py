@@ -133,3 +133,59 @@ def test_task_words_are_alchemys_vocabulary_and_lead_the_pool(fresh):
     item = data.recall()
     words = tok.decode(item.tokens).split("|")[0].split()[1:]
     assert set(words) <= set(data.words) and len(words) == 12
+
+
+def latest_state(text: str):
+    """(stones id -> (words, value), potion colours) of the last observation in a decoded chat."""
+    import re
+    obs = text.rsplit("Stones: ", 1)[1]
+    stones = {int(i): (tuple(w.split()), int(v)) for i, w, v in
+              re.findall(r"s(\d) ([a-z]+ [a-z]+ [a-z]+) \(value ([-+]\d+)\)", obs.split("\n")[0])}
+    potions = set(re.findall(r"p\d+ ([a-z]+)", obs.split("Potions: ")[1].split("\n")[0]))
+    return stones, potions
+
+
+def test_history_items_act_on_the_latest_state_only(fresh):
+    """The history rung is a later turn: earlier moves and their outcomes are in the context without loss,
+    and the supervised reply is the note reader's move on the latest state (its stone, its potions)."""
+    _, tok = fresh
+    data = pretrain.Data(tok, seed=5)
+    data.use_pool(pretrain.POOL)
+    kinds = {"cauldron": 0, "need": 0}
+    for _ in range(30):
+        item = data.history()
+        start = item.mask.index(1)
+        assert all(item.mask[start:]) and not any(item.mask[:start])      # only the final reply is scored
+        context = tok.decode(item.tokens[:start])
+        reply = tok.decode(item.tokens[start:], skip_special_tokens=True).strip()
+        assert context.count("<action>") >= 1 and context.count("Stones: ") >= 2   # earlier moves, unscored
+        stones, potions = latest_state(context)
+        best = tuple(context.split("- best ", 1)[1].split("\n")[0].split())
+        if reply.startswith("<action>cauldron"):
+            kinds["cauldron"] += 1
+            sid = int(reply.split(" s")[1].split("<")[0])
+            assert stones[sid][1] == 15
+            continue
+        kinds["need"] += 1
+        word, colour = reply.split()[1:3]
+        sid, (words, _) = max(sorted(stones.items()), key=lambda kv: kv[1][1])
+        assert reply.endswith(f"<action>apply {colour} s{sid}</action>") and colour in potions
+        assert word == next(b for w, b in zip(words, best) if w != b)
+        assert f"- {word} {colour}" in context or f": {word} {colour}." in context    # the notes say so
+    assert kinds["cauldron"] >= 3 and kinds["need"] >= 15
+
+
+def test_lookup_action_has_one_stone_lacking_the_goal_word(fresh):
+    """lookup -> action: the goal names the key, the one stone on the table lacks it (the choice of stone
+    is the hop's rung, not this one's)."""
+    _, tok = fresh
+    data = pretrain.Data(tok, seed=6)
+    for _ in range(20):
+        item = data.lookup_action()
+        start = item.mask.index(1)
+        context = tok.decode(item.tokens[:start])
+        reply = tok.decode(item.tokens[start:], skip_special_tokens=True).strip()
+        stones, _ = latest_state(context)
+        goal = context.rsplit("Goal: make s", 1)[1].split(".")[0].split()
+        assert list(stones) == [int(goal[0])] and goal[1] not in stones[int(goal[0])][0]
+        assert reply.startswith(f"need {goal[1]} ") and reply.endswith(f" s{goal[0]}</action>")
