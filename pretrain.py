@@ -1,6 +1,6 @@
 """The laptop model learns to read before it meets a task: in-context lookup, from synthetic random data.
 
-    python pretrain.py            # build the reader once (~40 min on 2 cores) and cache it; rerun = reuse
+    python pretrain.py            # build the reader once (~50 min on 2 cores) and cache it; rerun = reuse
     python pretrain.py --check    # the reading ladder: accuracy per rung on held-out items, beside chance
     python pretrain.py --where    # the reader's HF directory (weights + tokenizer; model.load / load_tokenizer)
 
@@ -20,6 +20,9 @@ So the reader is trained here, like a downloaded checkpoint, on a curriculum of 
   hop           the actor's chat context on an Alchemy-shaped state: the notes' best stone, stones that
                 lack one of its words, the notes' "- word colour" lines -> the note reader's reply
                 (alchemy.note_action): "need large pink <action>apply pink s1</action>"
+  history       the hop at a later turn: 1-5 earlier moves, their outcomes and the new states before it, as
+                rollout.py renders an episode; only the last reply is scored (the cauldron when a stone is
+                already the best, else the hop)
 
 Every word is drawn at random from the tokenizer's whole-word tokens and paired at random: no fact of
 any Alchemy world, task or answer appears (Alchemy's words are among thousands of pairings, never a
@@ -52,7 +55,7 @@ import cli
 
 REPO = Path(__file__).resolve().parent
 SHIPPED = REPO / "weights" / "reader"
-RECIPE_VERSION = 5          # bump when the data or the model changes: the cache key and the shipped check use it
+RECIPE_VERSION = 6          # bump when the data or the model changes: the cache key and the shipped check use it
 
 
 # -----------------------------------------------------------------------------
@@ -62,7 +65,7 @@ RECIPE_VERSION = 5          # bump when the data or the model changes: the cache
 @dataclass
 class Args:
     """Build (or check) the reader. The defaults are the recipe of the shipped weights."""
-    steps: int = 2600            # at most this many optimizer steps (the curriculum ends earlier once mastered)
+    steps: int = 3000            # at most this many optimizer steps (the curriculum ends earlier once mastered)
     batch: int = 64              # items per step
     lr: float = 3e-3             # AdamW peak learning rate (50 warm-up steps, cosine to 10%)
     seed: int = 0
