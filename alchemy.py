@@ -78,9 +78,18 @@ def effect_text(after: int, before: int, colour: str, value: int, sid: int) -> s
     if after == before:
         return "no effect."
     axis = (after ^ before).bit_length() - 1
-    gained = FEATURES[axis][after >> axis & 1]
-    best = f", best {stone_text(after)}" if value == 15 else ""
-    return f"{gained} {colour}. s{sid} is now {stone_text(after)} (value {value:+d}){best}."
+    return changed_text(FEATURES[axis][after >> axis & 1], colour, sid, stone_text(after), value)
+
+
+def changed_text(gained: str, colour: str, sid: int, look: str, value: int) -> str:
+    """effect_text of an apply that changed the stone, in words (pretrain.py renders its random worlds with it)."""
+    best = f", best {look}" if value == 15 else ""
+    return f"{gained} {colour}. s{sid} is now {look} (value {value:+d}){best}."
+
+
+def cauldron_text(sid: int, value: int, look: str) -> str:
+    """What putting a stone into the cauldron shows: its value, and its look when it was the best."""
+    return f"s{sid} into the cauldron: value {value:+d}" + (f", best {look}." if value == 15 else ".")
 
 
 def move(vertex: int, axis: int, bit: int, edges) -> int:
@@ -373,8 +382,7 @@ class AlchemyEnv:
             self._value += value
             self._trial_value += value
             reward = self._score() - old
-            result = f"s{args[0]} into the cauldron: value {value:+d}" + (
-                f", best {stone_text(latent ^ self._chem.flips)}." if value == 15 else ".")
+            result = cauldron_text(args[0], value, stone_text(latent ^ self._chem.flips))
         else:
             result = "You end the trial."
         self.info.update(value=self._value, score=self._score())

@@ -67,7 +67,7 @@ class Args:
     """Build (or check) the reader. The defaults are the recipe of the shipped weights."""
     steps: int = 3000            # at most this many optimizer steps (the curriculum ends earlier once mastered)
     batch: int = 64              # items per step
-    lr: float = 3e-3             # AdamW peak learning rate (50 warm-up steps, cosine to 10%)
+    lr: float = 3e-3             # AdamW learning rate (50 warm-up steps, then constant: lr_at)
     seed: int = 0
     micro_tokens: int = 4096     # tokens per micro-batch (a step's items, sorted by length, padded per micro-batch)
     checkpoint_every: int = 100  # steps between resumable checkpoints (out/partial.pt)
@@ -296,8 +296,8 @@ class Data:
     def lookup_action(self) -> Item:
         """One stone, which lacks the key word the goal names: the lookup and the action it implies, with no
         choice of stone (that is the hop's). Measured (recipe 5): with three stones and the goal naming
-        one of them, the reader got the key and its value right in 97% of items and the stone in a third,
-        i.e. it applied the hop's rule (the most valuable stone), which the goal contradicts."""
+        one of them, the reader got the key and its value right in 97% of items and the stone in a third.
+        With one stone (recipe 6) it still writes one fixed id, not the stone's (docs/reader.md)."""
         features, colours, best, needs = self.world()
         keep = self.rng.sample(list(needs), self.rng.randint(2, 6))
         k = self.rng.choice(keep)
@@ -315,7 +315,7 @@ class Data:
         """The note reader's decision (alchemy.note_action) on a random world, in states where the notes
         decide it: one in ten holds a +15 stone (the cauldron), the rest need a lookup (a state the notes
         do not decide is redrawn)."""
-        from alchemy import note_action
+        from alchemy import cauldron_text, changed_text, note_action
         cauldron = self.rng.random() < 0.1
         while True:
             features, colours, best, needs = self.world()
@@ -350,7 +350,7 @@ class Data:
                 return item
 
     def _history(self, cauldron: bool):
-        from alchemy import note_action
+        from alchemy import cauldron_text, changed_text, note_action
         features, colours, best, needs = self.world()
         keep = self.rng.sample(list(needs), self.rng.randint(2, 6))
         notes, gives = {w: needs[w] for w in keep}, {c: w for w, c in needs.items()}   # colour -> word it gives
@@ -377,7 +377,7 @@ class Data:
             sid = int(act[-1][1:])
             if act[0] == "cauldron":
                 words, v = stones.pop(sid)
-                outcome = f"s{sid} into the cauldron: value {v:+d}" + (f", best {' '.join(words)}." if v == 15 else ".")
+                outcome = cauldron_text(sid, v, " ".join(words))
             else:
                 pid = min(p for p, c in potions.items() if c == act[1])
                 colour, (words, _) = potions.pop(pid), stones[sid]
@@ -387,9 +387,7 @@ class Data:
                 else:
                     words = tuple(w if a == axis[w] else x for a, x in enumerate(words))
                     stones[sid] = (words, value(words))
-                    tail = f", best {' '.join(words)}" if stones[sid][1] == 15 else ""
-                    outcome = (f"p{pid} {colour} on s{sid}: {w} {colour}. s{sid} is now {' '.join(words)} "
-                               f"(value {stones[sid][1]:+d}){tail}.")
+                    outcome = f"p{pid} {colour} on s{sid}: " + changed_text(w, colour, sid, " ".join(words), stones[sid][1])
             steps, turns = steps - 1, turns - 1
             if not stones:
                 return None
