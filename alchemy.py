@@ -691,23 +691,28 @@ def note_action(needs: dict, best, stones: dict, potions: set):
       needs:   feature word -> potion colour, as the notes state them ("- large pink": large -> pink);
       best:    the +15 stone's three words from the notes ("- best large purple pointy"), or None;
       stones:  id -> (three words, value) as the observation shows them; potions: the colours on the table.
-    A +15 stone goes into the cauldron. Otherwise the most valuable stone below +15 (lowest id on ties)
+    A +15 stone goes into the cauldron. Otherwise the first stone listed (explore_action's stone too)
     needs the best stone's word where they first differ; if the notes name a colour for that word and
-    such a potion is on the table: "need large pink <action>apply pink s1</action>". The thought names the
-    key right before the value, so the lookup is a copy of the token after the key in the notes."""
+    such a potion is on the table, the reply is a chain of copies, each step's key right before its value:
+    "s1 small purple pointy best large purple pointy need large pink <action>apply pink s1</action>"
+    (the stone's words copied from the observation, the best one's from the notes, the first word where
+    the two adjacent triples differ, the colour that follows that word in the notes). Measured
+    (docs/reader.md, "The hop as a chain of copies"): fine-tuned on its own, this chain is learned faster
+    than a bare "need large pink" after a choice of the most valuable stone, which the reader got wrong."""
     for sid, (_, value) in sorted(stones.items()):
         if value == 15:
             return f"<action>cauldron s{sid}</action>"
     if best is None or not stones:
         return None
-    sid, (words, _) = max(sorted(stones.items()), key=lambda kv: kv[1][1])
+    sid, (words, _) = min(stones.items())
     lacking = [b for w, b in zip(words, best) if w != b]
     if not lacking:
         return None
     colour = needs.get(lacking[0])
     if colour is None or colour not in potions:
         return None
-    return f"need {lacking[0]} {colour} <action>apply {colour} s{sid}</action>"
+    return (f"s{sid} {' '.join(words)} best {' '.join(best)} need {lacking[0]} {colour} "
+            f"<action>apply {colour} s{sid}</action>")
 
 
 def explore_action(stones: dict, potions: list) -> str:
@@ -717,7 +722,8 @@ def explore_action(stones: dict, potions: list) -> str:
     A +15 stone goes into the cauldron; else the first potion on the table is tried on the first stone
     (lowest id) below +15; with no potion left, the first stone worth more than 0 goes into the cauldron,
     else the trial ends. Every choice is the first one listed: a copy from the latest state (measured: a
-    warm-started reader picked note_action's "most valuable stone" in about half of the states)."""
+    warm-started reader picked the "most valuable stone" in about half of the states; note_action takes
+    this first stone too)."""
     for sid, (_, value) in sorted(stones.items()):
         if value == 15:
             return f"<action>cauldron s{sid}</action>"

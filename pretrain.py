@@ -1,6 +1,6 @@
 """The laptop model learns to read before it meets a task: in-context lookup, from synthetic random data.
 
-    python pretrain.py            # build the reader once (~50 min on 2 cores) and cache it; rerun = reuse
+    python pretrain.py            # build the reader once (~60 min on 2 cores) and cache it; rerun = reuse
     python pretrain.py --check    # the reading ladder: accuracy per rung on held-out items, beside chance
     python pretrain.py --where    # the reader's HF directory (weights + tokenizer; model.load / load_tokenizer)
 
@@ -19,7 +19,8 @@ So the reader is trained here, like a downloaded checkpoint, on a curriculum of 
                 -> "need key value <action>apply value s2</action>"
   hop           the actor's chat context on an Alchemy-shaped state: the notes' best stone, stones that
                 lack one of its words, the notes' "- word colour" lines -> the note reader's reply
-                (alchemy.note_action): "need large pink <action>apply pink s1</action>"
+                (alchemy.note_action), a chain of copies before the action: "s1 small purple pointy best
+                large purple pointy need large pink <action>apply pink s1</action>"
   history       the hop at a later turn: 1-5 earlier moves, their outcomes and the new states before it, as
                 rollout.py renders an episode; only the last reply is scored (the cauldron when a stone is
                 already the best, else the hop)
@@ -55,7 +56,7 @@ import cli
 
 REPO = Path(__file__).resolve().parent
 SHIPPED = REPO / "weights" / "reader"
-RECIPE_VERSION = 6          # bump when the data or the model changes: the cache key and the shipped check use it
+RECIPE_VERSION = 8          # bump when the data or the model changes: the cache key and the shipped check use it
 
 
 # -----------------------------------------------------------------------------
@@ -331,7 +332,7 @@ class Data:
                 stones[sid] = (best, 15)
             potions = [self.rng.choice(colours) for _ in range(self.rng.randint(4, 8))]
             reply = note_action({w: needs[w] for w in keep}, best, stones, set(potions))
-            if reply is not None and reply.startswith("need ") != cauldron:
+            if reply is not None and reply.startswith("<action>cauldron") == cauldron:
                 break
         user = f"{self.rollout.MEMORY_HEADER}\n{self.memory(needs, best, keep, features)}\n\n{self.state_text(stones, potions)}"
         return self.chat_item(user, reply, 1 / (len(set(potions)) * len(stones)))

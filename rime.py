@@ -108,7 +108,7 @@ class Args:
     temperature: float = 1.0
     writer_temperature: float = -1.0  # the writer's sampling temperature in RL (-1 = --temperature; see play_streams)
     max_turns: int = 24              # actor turns per task (paper 40)
-    max_new_tokens: int = 24         # tokens per actor reply
+    max_new_tokens: int = 32         # tokens per actor reply (the note reader's chain takes 24)
     memory_tokens: int = 160         # memory cap in tokens (paper 2048)
     traj_chars: int = 1200           # trajectory budget the writer sees
     micro_batch_tokens: int = 16384

@@ -34,9 +34,10 @@ PROTOCOL_FILLER = ("- The hidden chemistry is the same in every task of this wor
 
 def protocol_policy(memory: str):
     """The protocol actor, deterministic: where its memory says what to do, it does that
-    (alchemy.note_reader_reply, the reading the pretraining taught: "need large pink <action>apply pink
-    s1</action>"), whether the memory is true or not; elsewhere it explores in a fixed order
-    (alchemy.explore_action: the first potion on the table on the most valuable stone). It knows no
+    (alchemy.note_reader_reply, the reading the pretraining taught: "s1 small purple pointy best large
+    purple pointy need large pink <action>apply pink s1</action>"), whether the memory is true or not;
+    elsewhere it explores in a fixed order (alchemy.explore_action: the first potion on the table on the
+    first stone). It knows no
     chemistry, and every move it makes is valid, so its greedy imitation is too."""
     from alchemy import protocol_reply
 

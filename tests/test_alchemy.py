@@ -379,15 +379,21 @@ def test_the_note_reader_acts_only_on_what_its_notes_decide():
     obs = ("Trial 1 of 1, 20 steps left.\nStones: s1 small blue round (value -3); s2 small purple pointy (value +1)\n"
            "Potions: p1 red, p2 pink, p3 pink\nActions: apply P S | cauldron S | end")
     notes = "### Repository Knowledge\n- large pink\n- best large purple pointy"
-    # s2 is the most valuable stone; it lacks "large", and the notes say pink gives it
-    assert note_reader_reply(notes, obs) == "need large pink <action>apply pink s2</action>"
+    # s1, the first stone listed, lacks "large" first, and the notes say pink gives it
+    assert note_reader_reply(notes, obs) == \
+        "s1 small blue round best large purple pointy need large pink <action>apply pink s1</action>"
     assert note_reader_reply("- best large purple pointy", obs) is None          # no note for "large"
     assert note_reader_reply("- large pink", obs) is None                        # no best stone noted
     assert note_reader_reply("- large green\n- best large purple pointy", obs) is None   # no green potion here
     obs15 = obs.replace("s2 small purple pointy (value +1)", "s2 large purple pointy (value +15)")
     assert note_reader_reply("", obs15) == "<action>cauldron s2</action>"
     # the reader reads whatever the notes say: a false note is followed as faithfully as a true one
-    assert note_reader_reply("- large red\n- best large purple pointy", obs) == "need large red <action>apply red s2</action>"
+    assert note_reader_reply("- large red\n- best large purple pointy", obs) == \
+        "s1 small blue round best large purple pointy need large red <action>apply red s1</action>"
+    # with s1 gone (say, in the cauldron), s2 is the first stone listed
+    obs2 = obs.replace("s1 small blue round (value -3); ", "")
+    assert note_reader_reply(notes, obs2) == \
+        "s2 small purple pointy best large purple pointy need large pink <action>apply pink s2</action>"
 
 
 def test_the_protocol_explores_in_a_fixed_order():

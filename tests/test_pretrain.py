@@ -43,9 +43,9 @@ def test_hop_items_follow_the_note_reader(fresh):
     data = pretrain.Data(tok, seed=2)
     replies = [tok.decode([t for t, m in zip(it.tokens, it.mask) if m], skip_special_tokens=True)
                for it in (data.hop() for _ in range(40))]
-    needs = [r for r in replies if r.startswith("need ")]
-    assert len(needs) >= 30 and all(r.split()[2] == r.split("apply ")[1].split()[0] for r in needs)
-    used = {w for r in needs for w in r.split()[1:3]}
+    needs = [r.split(" need ", 1)[1] for r in replies if " need " in r]
+    assert len(needs) >= 30 and all(r.split()[1] == r.split("apply ")[1].split()[0] for r in needs)
+    used = {w for r in needs for w in r.split()[0:2]}
     assert len(used) > 40 and used <= set(data.words)
 
 
@@ -167,8 +167,10 @@ def test_history_items_act_on_the_latest_state_only(fresh):
             assert stones[sid][1] == 15
             continue
         kinds["need"] += 1
-        word, colour = reply.split()[1:3]
-        sid, (words, _) = max(sorted(stones.items()), key=lambda kv: kv[1][1])
+        sid, (words, _) = min(stones.items())                     # the first stone listed
+        # the chain of copies: the stone's words, the best stone's, the first word they differ in, its colour
+        head, word, colour = reply.split(" need ")[0], *reply.split(" need ")[1].split()[:2]
+        assert head == f"s{sid} {' '.join(words)} best {' '.join(best)}"
         assert reply.endswith(f"<action>apply {colour} s{sid}</action>") and colour in potions
         assert word == next(b for w, b in zip(words, best) if w != b)
         assert f"- {word} {colour}" in context or f": {word} {colour}." in context    # the notes say so

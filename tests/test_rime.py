@@ -555,7 +555,8 @@ def test_protocol_actor_is_deterministic_valid_and_acts_on_its_notes():
            "Potions: p1 red, p2 pink\nActions: apply P S | cauldron S | end")
     assert protocol_policy("")(obs) == "<action>apply red s1</action>"
     notes = "### Repository Knowledge\n- large pink\n- best large purple pointy"
-    assert protocol_policy(notes)(obs) == "need large pink <action>apply pink s2</action>"
+    assert protocol_policy(notes)(obs) == \
+        "s1 small blue round best large purple pointy need large pink <action>apply pink s1</action>"
 
 
 def test_warm_start_rehearses_the_readers_rungs(monkeypatch):
