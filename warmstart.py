@@ -37,8 +37,7 @@ def protocol_policy(memory: str):
     (alchemy.note_reader_reply, the reading the pretraining taught: "s1 small purple pointy best large
     purple pointy need large pink <action>apply pink s1</action>"), whether the memory is true or not;
     elsewhere it explores in a fixed order (alchemy.explore_action: the first potion on the table on the
-    first stone). It knows no
-    chemistry, and every move it makes is valid, so its greedy imitation is too."""
+    first stone). It knows no chemistry, and every move it makes is valid, so its greedy imitation is too."""
     from alchemy import protocol_reply
 
     def act(obs: str) -> str:
