@@ -76,44 +76,80 @@ def test_the_shipped_reader_is_this_recipe_and_reads():
     """weights/reader is what `pretrain.py` builds with its defaults (recipe.json matches), loads with
     model.load / load_tokenizer, and does on fresh held-out items what its ladder.json says (64 items a
     rung, within sampling error): it reads notes (1-of-6 and at the memory cap >= 0.9) and takes the
-    Alchemy hop well above chance. Its weaker rungs are as measured (docs/reader.md), not a target."""
+    Alchemy hop (0.92 on its ladder). Its weaker rungs are as measured (docs/reader.md), not a target."""
     assert pretrain.shipped_matches(pretrain.Args()), "weights/reader is stale: rebuild it (docs/reader.md)"
     assert pretrain.reader_dir(build_if_missing=False) == pretrain.SHIPPED
     model, tok = pretrain.load_reader()
     stored = json.loads((pretrain.SHIPPED / "ladder.json").read_text())
-    now = pretrain.ladder(model, tok, num_items=64, seed=4_242)
+    now = pretrain.ladder(model, tok, num_items=64, seed=50_021)   # not a seed any build trains on
     for rung, r in now.items():
         assert abs(r["accuracy"] - stored[rung]["accuracy"]) <= 0.15, (rung, r["accuracy"], stored[rung]["accuracy"])
     assert now["lookup6"]["accuracy"] >= 0.9 and now["lookup_cap"]["accuracy"] >= 0.85
-    assert now["hop"]["accuracy"] >= now["hop"]["chance"] + 0.15
+    assert now["hop"]["accuracy"] >= 0.8                     # 0.92 on the ladder's 200 items (recipe 9)
 
 
 def test_a_short_build_learns_and_resumes_after_a_kill(tmp_path, monkeypatch):
-    """The recipe cannot rot: a 12-step build runs end to end, its loss falls, and a build killed after
-    step 7 resumes from its step-6 checkpoint and logs every step once."""
-    args = pretrain.Args(steps=12, batch=8, eval_items=4, checkpoint_every=3, lr=3e-3)
+    """The recipe cannot rot: a 12-step curriculum and a 6-step cool-down run end to end, the loss falls,
+    the cool-down's lr decays, and a build killed in the curriculum (after step 7) and again in the
+    cool-down (after step 16) resumes from its step-6 and step-15 checkpoints and logs every step once."""
+    args = pretrain.Args(steps=12, anneal_steps=6, batch=8, eval_items=4, checkpoint_every=3, lr=3e-3)
     real_step, calls = pretrain.train_step, []
 
-    def dying(*a, **k):
-        calls.append(1)
-        if len(calls) == 8:
-            raise KeyboardInterrupt
-        return real_step(*a, **k)
-    monkeypatch.setattr(pretrain, "train_step", dying)
+    def dying_at(n):
+        def step(*a, **k):
+            calls.append(1)
+            if len(calls) == n:
+                raise KeyboardInterrupt
+            return real_step(*a, **k)
+        return step
     monkeypatch.setattr(pretrain, "ladder", lambda model, tok, num_items=0, seed=0, rungs=None, pool=0: {
         r: {"accuracy": 0.0, "chance": 0.0, "used": u, "items": 0} for r, u in pretrain.RUNGS.items()})
     out = tmp_path / "reader"
+    monkeypatch.setattr(pretrain, "train_step", dying_at(8))
     with pytest.raises(KeyboardInterrupt):
         pretrain.build(args, out)
     assert torch.load(out / "partial.pt", weights_only=False)["step"] == 6
+    calls.clear()
+    monkeypatch.setattr(pretrain, "train_step", dying_at(10))          # steps 7..15 run, step 16 dies
+    with pytest.raises(KeyboardInterrupt):
+        pretrain.build(args, out)
+    state = torch.load(out / "partial.pt", weights_only=False)
+    assert state["step"] == 15 and state["cool"]["end"] == 12 and "opt" in state["cool"]
     monkeypatch.setattr(pretrain, "train_step", real_step)
     pretrain.build(args, out)
     rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert [r["step"] for r in rows] == list(range(1, 19))
+    assert [r["phase"] for r in rows[12:]] == ["cool-down"] * 6
+    lrs = [r["lr"] for r in rows[12:]]
+    assert lrs == [pretrain.anneal_lr_at(i, args) for i in range(6)] and lrs[-1] < lrs[0]
     assert rows[-1]["loss"] < rows[0]["loss"]
     assert not (out / "partial.pt").exists() and json.loads((out / "recipe.json").read_text()) == pretrain.recipe(args)
     from model import load, load_tokenizer
     assert load(out).config.hidden_size == pretrain.MODEL_SHAPE["hidden_size"] and load_tokenizer(out).chat_template
+
+
+def test_the_cool_down_resumes_to_the_same_weights(tmp_path, monkeypatch):
+    """A build killed inside the cool-down ends with the weights of one that never stopped (the cool-down's
+    optimizer and item stream are in its checkpoint)."""
+    args = pretrain.Args(steps=4, anneal_steps=6, batch=4, eval_items=4, checkpoint_every=2, threads=1)
+    monkeypatch.setattr(pretrain, "ladder", lambda model, tok, num_items=0, seed=0, rungs=None, pool=0: {
+        r: {"accuracy": 0.0, "chance": 0.0, "used": u, "items": 0} for r, u in pretrain.RUNGS.items()})
+    pretrain.build(args, tmp_path / "whole")
+    real_step, calls = pretrain.train_step, []
+
+    def dying(*a, **k):
+        calls.append(1)
+        if len(calls) == 8:                     # the cool-down's 4th step; its checkpoint is at step 6
+            raise KeyboardInterrupt
+        return real_step(*a, **k)
+    monkeypatch.setattr(pretrain, "train_step", dying)
+    with pytest.raises(KeyboardInterrupt):
+        pretrain.build(args, tmp_path / "killed")
+    monkeypatch.setattr(pretrain, "train_step", real_step)
+    pretrain.build(args, tmp_path / "killed")
+    from model import load
+    a, b = load(tmp_path / "whole").state_dict(), load(tmp_path / "killed").state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_cli_where_and_bad_flags():
