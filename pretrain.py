@@ -553,7 +553,7 @@ def build(args: Args, out: Path) -> Path:
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     out.mkdir(parents=True, exist_ok=True)
     model, tok = new_model(args.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    opt = new_optimizer(model, args.lr)
     partial, start, current, cool = out / "partial.pt", 0, 0, None     # current: index into PHASES
     data = Data(tok, args.seed)
     if partial.exists():
@@ -586,6 +586,15 @@ def build(args: Args, out: Path) -> Path:
     return out
 
 
+def new_optimizer(model, lr: float):
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+
+
+def step_items(data, weights: dict, n: int) -> list:
+    """n items of a step, each from a rung drawn by `weights` (the curriculum's and the cool-down's draw)."""
+    return [getattr(data, r)() for r in data.rng.choices(list(weights), weights=list(weights.values()), k=n)]
+
+
 def save_partial(partial: Path, **state) -> None:
     tmp = partial.with_name(partial.name + ".tmp")
     torch.save(state, tmp)
@@ -600,8 +609,7 @@ def curriculum(model, opt, data, tok, args: Args, log, partial: Path, start: int
     for step in bar:
         name, pool, weights, share, gate = PHASES[current]
         data.use_pool(pool)
-        rungs = data.rng.choices(list(weights), weights=list(weights.values()), k=max(1, int(args.batch * share)))
-        items = [getattr(data, r)() for r in rungs]
+        items = step_items(data, weights, max(1, int(args.batch * share)))
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args)
         loss = train_step(model, opt, items, tok.pad_token_id, args.micro_tokens)
@@ -642,8 +650,8 @@ def cool_down(model, tok, args: Args, log, partial: Path, cool: dict, start: int
     resuming, the cool-down's optimizer and data state. The curriculum runs at a constant lr (its length is
     decided by mastery), and its last checkpoints swing with that lr's noise; the decay settles them."""
     from tqdm import tqdm
-    name, pool, weights, share, _ = PHASES[-1]
-    opt = torch.optim.AdamW(model.parameters(), lr=args.anneal_lr, betas=(0.9, 0.95), weight_decay=0.01)
+    _, pool, weights, share, _ = PHASES[-1]
+    opt = new_optimizer(model, args.anneal_lr)
     data = Data(tok, args.seed + ANNEAL_SEED)
     data.use_pool(pool)
     if "opt" in cool:
@@ -653,8 +661,7 @@ def cool_down(model, tok, args: Args, log, partial: Path, cool: dict, start: int
     bar = tqdm(range(first, args.anneal_steps), desc="pretrain (cool-down)", initial=first, total=args.anneal_steps)
     t0 = time.time()
     for i in bar:
-        rungs = data.rng.choices(list(weights), weights=list(weights.values()), k=max(1, int(args.batch * share)))
-        items = [getattr(data, r)() for r in rungs]
+        items = step_items(data, weights, max(1, int(args.batch * share)))
         lr = anneal_lr_at(i, args)
         for g in opt.param_groups:
             g["lr"] = lr
