@@ -82,7 +82,7 @@ class Args:
     run_dir: str = "runs/rime"       # config, metrics.jsonl, memories/, checkpoints; resumed if it exists
     resume: bool = True              # resume from run_dir's last checkpoint when there is one
     seed: int = 0
-    steps: int = 4                   # RL steps (one PPO update each)
+    steps: int = 12                  # RL steps (one PPO update each; a fresh AdamW after the warm start)
     streams_per_step: int = 2        # streams per step per rank; each runs group_size times
     group_size: int = 4              # GRPO group size (paper 8)
     segment: int = 3                 # tasks per curriculum block: a stream is segment easy + segment hard (paper 6)
@@ -114,10 +114,11 @@ class Args:
     micro_batch_tokens: int = 16384
     warmstart_steps: int = -1        # max imitation steps before RL; -1 = auto (300 for small/smollm2/dirs on alchemy, 0 for tiny)
     warmstart_threshold: float = 0.95  # held-out protocol agreement (imitation: validity) and writer format rate that end the warm start (> 1: never)
-    warmstart_lr: float = 3e-3
+    warmstart_lr: float = 3e-3       # the warm start's first lr, decaying linearly to 0 (warmstart.warmstart_lr_at)
     warmstart_mode: str = "protocol"  # protocol (action syntax + memory shape only) | imitation (the scripted agent's content too)
-    warmstart_batch: int = 8         # rows per imitation step
-    warmstart_reading: float = -1.0  # share of those rows rehearsing the reader's rungs; -1 = auto (0.5 for small, else 0)
+    warmstart_batch: int = 10        # rows per imitation step
+    warmstart_reading: float = -1.0  # share of those rows rehearsing the reader's rungs; -1 = auto (0.4 for small, else 0)
+    warmstart_decisions: float = 0.2  # share of those rows that are the turns where the notes decide the move (protocol mode)
     warmstart_streams: int = 48      # scripted streams that make the imitation data
     eval_attempts: int = 2           # from-scratch attempts per task when eval_temperature > 0 (benchmark: 4)
     eval_temperature: float = 0.0    # 0 = greedy evaluation (then one from-scratch attempt is exact)
@@ -137,7 +138,7 @@ class Args:
         if self.warmstart_steps < 0:     # auto: the smoke model, codebase and a given start policy skip it
             self.warmstart_steps = 300 if (self.model != "tiny" and self.env == "alchemy" and not self.init_from) else 0
         if self.warmstart_reading < 0:   # auto: only the reader rehearses its reading (scratch never learned one)
-            self.warmstart_reading = 0.5 if self.model == "small" else 0.0
+            self.warmstart_reading = 0.4 if self.model == "small" else 0.0
         if self.model == "tiny":         # the smoke run: the whole pipeline, minimal sizes
             for name, value in dict(streams_per_step=1, group_size=2, segment=1, max_turns=6,
                                     max_new_tokens=16, memory_tokens=48, eval_attempts=1, eval_streams=2).items():
@@ -174,6 +175,9 @@ class Args:
             cli.check_number(name, getattr(self, name), lo=0)
         cli.check_number("warmstart_threshold", self.warmstart_threshold, lo=0)
         cli.check_number("warmstart_reading", self.warmstart_reading, lo=0, hi=1)
+        cli.check_number("warmstart_decisions", self.warmstart_decisions, lo=0, hi=1)
+        check(self.warmstart_reading + self.warmstart_decisions < 1,
+              "--warmstart-reading + --warmstart-decisions must leave part of each warm-start batch to the scripted rows (< 1)")
         cli.check(self.behav_imp_weight_cap == 0 or self.behav_imp_weight_cap > 1, "--behav-imp-weight-cap must be 0 (off) or > 1")
         cli.check(self.clip_ratio_c == 0 or self.clip_ratio_c > 1, "--clip-ratio-c must be 0 (off) or > 1")
         check(self.warmstart_mode in ("protocol", "imitation"), f"--warmstart-mode must be protocol or imitation, got {self.warmstart_mode!r}")
@@ -363,6 +367,7 @@ def evaluate(model, tokenizer, env, streams, args: Args, writer_model=None) -> d
         out["memory_coverage"] = [mean(a[t][1] for a in acc) for t in range(len(acc[0]))]
         # and does the actor act on notes? its greedy action in the scripted reference's states, same streams
         out["reference_match"] = warmstart.reference_match(model, tokenizer, env, streams, args)
+        out["note_agreement"] = warmstart.note_agreement(model, tokenizer, env, streams, args)
     return out
 
 
@@ -538,6 +543,7 @@ def warm_start_phase(run: Run) -> None:
                 save(learner.gen_model, run.tokenizer, run.path("warmstart"))
                 print0(f"warm-started weights saved to {run.path('warmstart')}")
             learner.reset_reference()   # the KL anchors RL to the warm-started policy
+            learner.reset_optimizer()   # and RL's AdamW starts fresh (ppo.Learner.reset_optimizer)
     # the frozen writer is the weights RL starts from; the decoupled writer trains its own copy
     if args.writer == "frozen":
         run.writer_model = copy.deepcopy(learner.gen_model)
@@ -790,6 +796,10 @@ def report(run: Run, after: dict, wall_s: float, attributed: dict = None) -> Non
         for name, ev in (("before RL", before), ("after RL", after)):
             for key in ("with_notes", "scratch"):
                 print(f"  {name}, {key.replace('_', ' ')}: {_applies(ev.get('reference_match') or {}, key)}")
+    if "note_agreement" in after:
+        print("the protocol's applies where its notes decide, repeated greedily in its states: " + " -> ".join(
+            f"{ev['note_agreement']['match']:.2f}" if "note_agreement" in ev else "n/a" for ev in (before, after))
+            + f" of {after['note_agreement']['states']} (exploring instead: {after['note_agreement']['explore']:.2f})")
     if warm:
         writer = (f", writer format {warm['writer_ok_before']:.2f} -> {warm['writer_ok_after']:.2f}"
                   if "writer_ok_after" in warm else "")

@@ -14,8 +14,11 @@ Rows are rendered exactly as rollouts are (rollout.run_scripted, rollout.writer_
 model imitates what it will later see. It stops when held-out format validity (the actor's actions)
 and the writer's format rate (its memories' shape) both reach `warmstart_threshold` (a threshold
 above 1 never stops it: every `warmstart_steps` runs), and is skipped when the model already follows
-the protocol. For the laptop reader (--model small) half of every batch rehearses pretrain.py's
-reading rungs (--warmstart-reading), so that learning the protocol does not overwrite the reading.
+the protocol. Its lr decays linearly from `warmstart_lr` to 0 (warmstart_lr_at), and RL then starts a
+fresh AdamW (ppo.Learner.reset_optimizer, called by rime.py). For the laptop reader (--model small)
+4 rows of every batch of 10 rehearse pretrain.py's reading rungs (--warmstart-reading), so that learning
+the protocol does not overwrite the reading, and (protocol mode) 2 are the rare turns where the notes
+decide the move (note_decision_rows, --warmstart-decisions).
 """
 
 import dataclasses
@@ -58,7 +61,7 @@ def protocol_memory(ep, traj_chars: int) -> str:
             + "\n".join(PROTOCOL_LESSONS))
 
 
-def warmstart_rows(tokenizer, env, tasks, args):
+def warmstart_rows(tokenizer, env, tasks, args, decisions: list | None = None):
     """Scripted streams rendered exactly as rollouts are: actor rows from run_scripted (loss mask on
     the agent's tokens) and writer rows = the writer prompt rollout.write_memory builds + a target
     memory. Two modes:
@@ -66,14 +69,37 @@ def warmstart_rows(tokenizer, env, tasks, args):
                 syntax, a fixed exploring order, and the memory's shape transcribing what was seen; no
                 task knowledge (RL has to teach what to keep);
       imitation: the reference actor (env.reference_policy) and the scripted writer's memory
-                (alchemy.memory_text of what it inferred): imitation of the content too."""
+                (alchemy.memory_text of what it inferred): imitation of the content too.
+    `decisions`, if given, receives note_decision_rows of every episode (protocol mode)."""
     streams = curriculum.make_streams(tasks, args.warmstart_streams, order="easy_to_hard", segment=args.segment,
                                       seed=args.seed)
     rows = []
     for _, ep, writer_row in scripted_play(tokenizer, env, streams, args):
         rows += [(r.tokens, r.loss_mask) for r in ep.rows()]
         rows.append(writer_row)
+        if decisions is not None and args.warmstart_mode == "protocol":
+            decisions += note_decision_rows(ep)
     return rows
+
+
+def note_decision_rows(ep) -> list:
+    """The turns of a protocol episode where its notes decide the move (alchemy.note_reader_reply gives the
+    chain "s1 ... best ... need large pink <action>apply pink s1</action>"), each as its own row: the
+    context up to that reply, the loss on the reply alone. They are rare in the episodes (measured on the
+    held-out streams: 34 of 741 states, 5%), so a warm start on whole episodes teaches the actor to explore
+    and hardly ever to act on its notes (a warm start without these rows left an actor repeating 0.24 of
+    those moves, what exploring gives, against 0.86 elsewhere); the warm start gives them their own share of
+    each batch (--warmstart-decisions), and with it the actor repeats 0.79 (docs/results.md, v14)."""
+    from alchemy import note_reader_reply
+    out, turn = [], 0
+    for row in ep.rows():
+        for span in _spans(row.loss_mask):
+            reply = note_reader_reply(ep.memory, ep.observations[turn]) if turn < len(ep.observations) else None
+            if reply and "<action>apply" in reply:
+                end = span[-1] + 1
+                out.append((row.tokens[:end], [0] * span[0] + [1] * (end - span[0])))
+            turn += 1
+    return out
 
 
 def reading_data(tokenizer, seed: int):
@@ -154,6 +180,28 @@ def reference_match(model, tokenizer, env, streams, args) -> dict:
                 c[name] = c.get(name, 0) + v
     return {k: {name: v if name == "actions" else v / c["actions"] for name, v in c.items()}
             for k, c in sorted(counts.items())}
+
+
+def note_agreement(model, tokenizer, env, streams, args) -> dict:
+    """A diagnostic, not a reward: does the actor act on its notes in the task's own context? The protocol
+    pair plays the held-out `streams` (each task reading the protocol memory of the one before); in every
+    state where those notes decide an apply (note_decision_rows' turns), the actor replies greedily with
+    the protocol's history as its context. Returns {"match": share of those moves it repeats, "explore":
+    share where the protocol's move without notes is the same (what an actor ignoring them repeats),
+    "states": n}."""
+    from alchemy import note_reader_reply, protocol_reply
+    protocol = dataclasses.replace(args, warmstart_mode="protocol")
+    wanted, contexts, explore = [], [], []
+    for t, ep, _ in scripted_play(tokenizer, env, streams, protocol):
+        for turn, (action, context) in enumerate(zip(ep.actions, reply_contexts(ep))):
+            if t and "<action>apply" in (note_reader_reply(ep.memory, ep.observations[turn]) or ""):
+                wanted.append(action)
+                contexts.append(context)
+                explore.append(rollout.parse_action(protocol_reply("", ep.observations[turn])) == action)
+    guesses = greedy_replies(model, tokenizer, contexts, args.max_new_tokens) if contexts else []
+    n = max(len(wanted), 1)
+    return {"match": sum(g == w for g, w in zip(guesses, wanted)) / n, "explore": sum(explore) / n,
+            "states": len(wanted)}
 
 
 def _apply_hits(action: str, guess: str, state: dict) -> dict:
@@ -250,6 +298,13 @@ def held_out_check(model, tokenizer, env, tasks, args, turns=6) -> dict:
     return out
 
 
+def warmstart_lr_at(step: int, args) -> float:
+    """The warm start's lr at `step` (1-based): `warmstart_lr`, decaying linearly to 0 over `warmstart_steps`.
+    Measured on the laptop reader (docs/results.md): at a constant 3e-3 the 300 steps left the reading
+    hop at 0.45 / 0.39 (seeds 0 / 1, from 0.97); decaying, at 0.86 / 0.75, with the same agreement (0.85)."""
+    return args.warmstart_lr * (1 - (step - 1) / args.warmstart_steps)
+
+
 def warm_start(learner, tokenizer, env, args, log) -> dict:
     """SFT on the scripted rows until the held-out check passes: the writer's format rate and the actor's
     protocol agreement (protocol mode) or validity (imitation) both at `warmstart_threshold`."""
@@ -269,22 +324,25 @@ def warm_start(learner, tokenizer, env, args, log) -> dict:
         print0(f"warm start skipped: {actor_gate} {first[actor_gate]:.2f} and writer format "
                f"{first['writer_ok']:.2f} >= {args.warmstart_threshold}")
         return summary(first, first, 0)
-    rows = warmstart_rows(tokenizer, env, env.tasks("train"), args)
+    decisions = []
+    rows = warmstart_rows(tokenizer, env, env.tasks("train"), args, decisions=decisions)
     print0(f"warm start ({args.warmstart_mode}): {len(rows)} rows, {sum(len(r[0]) for r in rows)} tokens; "
-           f"validity {first['validity']:.2f}")
+           f"{len(decisions)} turns where the notes decide the move; validity {first['validity']:.2f}")
     rng = random.Random(args.seed)
     n_reading = round(args.warmstart_batch * args.warmstart_reading)
+    n_decisions = round(args.warmstart_batch * args.warmstart_decisions) if decisions else 0
     reading = reading_data(tokenizer, rng.randrange(2**31)) if n_reading else None
     if n_reading:
         print0(f"warm start: {n_reading} reading rows (pretrain.py's rungs) rehearsed in each batch of {args.warmstart_batch}")
-    for g in learner.optimizer.param_groups:
-        g["lr"] = args.warmstart_lr
     from tqdm import tqdm
     bar = tqdm(range(1, args.warmstart_steps + 1), desc="warm start", disable=not is_rank0())
     check, step = first, 0
     for step in bar:
-        batch = rng.sample(rows, min(args.warmstart_batch - n_reading, len(rows)))
+        for g in learner.optimizer.param_groups:
+            g["lr"] = warmstart_lr_at(step, args)
+        batch = rng.sample(rows, min(args.warmstart_batch - n_reading - n_decisions, len(rows)))
         batch += reading_rows(reading, n_reading, rng) if n_reading else []
+        batch += rng.sample(decisions, min(n_decisions, len(decisions)))
         b = make_batch([r[0] for r in batch], [[0] * len(r[1]) for r in batch], sft_mask=[r[1] for r in batch])
         stats = learner.update(b)
         bar.set_postfix(sft=f"{stats.get('sft_loss', 0):.3f}")

@@ -361,3 +361,28 @@ def test_learns_to_say_the_secret_word(qwen3):
     print("secret-word reward per update:", [round(r, 2) for r in history])
     assert history[0] < 0.2, "the task is too easy at the start to show learning"
     assert history[-1] > 0.8, f"reward did not rise above 0.8 in 40 updates: {history}"
+
+
+def test_reset_optimizer_makes_the_next_step_a_fresh_adamw_step(qwen3):
+    """After reset_optimizer (rime.py calls it at the end of the warm start) the next update is exactly the
+    update a new Learner would make from the same weights: no moments carried over. Without the reset the
+    carried moments make it differ."""
+    model, _ = qwen3
+    sft = make_batch([[5, 6, 7, 8, 9]], [[0, 0, 0, 0, 0]], sft_mask=[[0, 1, 1, 1, 1]])
+
+    def rl(learner):        # rows of the learner's current version (max_lag 0 drops older ones)
+        return make_batch([[5, 6, 7, 8]], [[0, 1, 1, 1]], [[0.0, -2.0, -2.0, -2.0]], [1.0], versions=[learner.version])
+
+    def after(reset: bool):
+        learner = Learner(copy.deepcopy(model), lr=1e-2, kl_coef=0.0, generation_copy=False)
+        for _ in range(3):
+            learner.update(sft)
+        start = copy.deepcopy(learner.policy.model)
+        if reset:
+            learner.reset_optimizer()
+        assert learner.update(rl(learner))["skipped"] == 0.0
+        fresh = Learner(start, lr=1e-2, kl_coef=0.0, generation_copy=False)
+        fresh.update(rl(fresh))
+        return [torch.equal(p, q) for p, q in zip(learner.policy.parameters(), fresh.policy.parameters())]
+    assert all(after(reset=True))
+    assert not all(after(reset=False))

@@ -477,6 +477,71 @@ def test_warm_start_stops_at_the_threshold_and_above_one_never(monkeypatch, thre
     assert out["steps"] == steps == len(updates) and out["agreement_after"] == 1.0 and out["writer_ok_after"] == 1.0
 
 
+def test_note_decision_rows_are_the_turns_where_the_notes_decide():
+    """Protocol mode: every decision row is a prefix of one of its episode's rows whose loss covers exactly
+    one reply, and that reply is the note reader's chain for that turn's memory and observation."""
+    import pretrain
+    from alchemy import note_reader_reply
+    _, tok = pretrain.load_reader()
+    env = envs.make("alchemy", num_trials=1)
+    args = rime.parse_args(["--warmstart-streams", "6", "--run-dir", "unused"])
+    decisions, eps = [], []
+    rows = warmstart.warmstart_rows(tok, env, env.tasks("train"), args, decisions=decisions)
+    streams = rime.curriculum.make_streams(env.tasks("train"), 6, order="easy_to_hard", segment=args.segment, seed=0)
+    for _, ep, _ in warmstart.scripted_play(tok, env, streams, args):
+        eps.append(ep)
+    wanted = [(ep, turn) for ep in eps for turn, obs in enumerate(ep.observations[:ep.num_turns])
+              if "<action>apply" in (note_reader_reply(ep.memory, obs) or "")]
+    assert len(decisions) == len(wanted) > 0 and len(rows) > len(decisions)
+    for (tokens, mask), (ep, turn) in zip(decisions, wanted):
+        assert any(r.tokens[:len(tokens)] == tokens for r in ep.rows()) and len(mask) == len(tokens)
+        first = mask.index(1)
+        assert all(mask[first:]) and not any(mask[:first])
+        reply = tok.decode(tokens[first:], skip_special_tokens=True)
+        assert note_reader_reply(ep.memory, ep.observations[turn]) in reply and " need " in reply
+    assert warmstart.note_decision_rows(eps[0]) == []          # a stream's first task has no notes
+
+
+def test_note_agreement_counts_the_protocol_moves_its_notes_decide(monkeypatch):
+    """note_agreement asks the actor exactly in the protocol's note-decided states of later tasks: with an
+    actor that repeats every move it asks about it is 1, with one that never answers 0, and its explore
+    baseline is the share of those states where the protocol without notes moves the same."""
+    import pretrain
+    from alchemy import note_reader_reply, protocol_reply
+    _, tok = pretrain.load_reader()
+    env = envs.make("alchemy", num_trials=1)
+    args = rime.parse_args(["--eval-streams", "4", "--run-dir", "unused"])
+    streams = rime.eval_streams(env, args)
+    states = [(ep.actions[turn], rollout.parse_action(protocol_reply("", obs)))
+              for t, ep, _ in warmstart.scripted_play(tok, env, streams, args) if t
+              for turn, obs in enumerate(ep.observations[:ep.num_turns])
+              if "<action>apply" in (note_reader_reply(ep.memory, obs) or "")]
+    asked = []
+    monkeypatch.setattr(warmstart, "greedy_replies", lambda m, t, contexts, n: asked.append(contexts) or [""] * len(contexts))
+    none = warmstart.note_agreement(None, tok, env, streams, args)
+    assert none["states"] == len(states) == len(asked[0]) > 0 and none["match"] == 0.0
+    assert none["explore"] == pytest.approx(sum(w == e for w, e in states) / len(states)) and none["explore"] < 1
+    monkeypatch.setattr(warmstart, "greedy_replies", lambda m, t, contexts, n: [w for w, _ in states])
+    assert warmstart.note_agreement(None, tok, env, streams, args)["match"] == 1.0
+
+
+def test_warm_start_lr_decays_linearly_to_zero_and_rl_gets_its_own_lr(monkeypatch):
+    """Each warm-start update runs at warmstart_lr * (1 - (step - 1) / steps): 3e-3 first, 1e-5 last of 300;
+    after it the optimizer is at --lr for RL."""
+    import types
+    monkeypatch.setattr(warmstart, "held_out_check", lambda *a, **k: dict(validity=0.0, score=0.0, writer_ok=0.0, agreement=0.0))
+    monkeypatch.setattr(warmstart, "warmstart_rows", lambda *a, **k: [([1, 2, 3], [0, 1, 1])] * 4)
+    groups = [{"lr": 0.0}, {"lr": 0.0}]
+    lrs = []
+    learner = types.SimpleNamespace(optimizer=types.SimpleNamespace(param_groups=groups), gen_model=None,
+                                    update=lambda b: lrs.append([g["lr"] for g in groups]) or {})
+    args = rime.parse_args(["--model", "tiny", "--warmstart-steps", "300", "--lr", "2e-4"])
+    warmstart.warm_start(learner, None, envs.make("alchemy", num_trials=1), args, lambda r: None)
+    assert len(lrs) == 300 and all(a == b for a, b in lrs)
+    assert lrs[0][0] == pytest.approx(3e-3) and lrs[-1][0] == pytest.approx(1e-5) and lrs[150][0] == pytest.approx(1.5e-3)
+    assert all(x[0] > y[0] for x, y in zip(lrs, lrs[1:])) and [g["lr"] for g in groups] == [2e-4, 2e-4]
+
+
 def test_protocol_warm_start_carries_no_task_knowledge():
     """The protocol rows teach the action syntax and the memory's shape: every memory target passes the
     writer's format gate and states nothing but what its own prompt's episode showed, in the
@@ -562,11 +627,11 @@ def test_protocol_actor_is_deterministic_valid_and_acts_on_its_notes():
 def test_warm_start_rehearses_the_readers_rungs(monkeypatch):
     """--warmstart-reading 0.5: half of every warm-start batch is pretrain.py's acting-phase rows (random
     words, the rungs the tasks use), so imitating the protocol cannot silently overwrite the reading; the
-    rows carry a loss on their answers only. small's default is 0.5, every other model's 0."""
+    rows carry a loss on their answers only. small's default is 0.4 (4 rows of 10), every other model's 0."""
     import random
     import types
     import pretrain
-    assert rime.parse_args(["--model", "small"]).warmstart_reading == 0.5
+    assert rime.parse_args(["--model", "small"]).warmstart_reading == 0.4
     assert rime.parse_args(["--model", "tiny"]).warmstart_reading == 0.0
     _, tok = pretrain.load_reader()
     rows = warmstart.reading_rows(warmstart.reading_data(tok, 0), 12, random.Random(0))
@@ -578,7 +643,7 @@ def test_warm_start_rehearses_the_readers_rungs(monkeypatch):
     sizes = []
     learner = types.SimpleNamespace(optimizer=types.SimpleNamespace(param_groups=[{"lr": 0.0}]), gen_model=None,
                                     update=lambda b: sizes.append(int((b.lengths > 3).sum())) or {})
-    args = rime.parse_args(["--model", "tiny", "--warmstart-steps", "3", "--warmstart-reading", "0.5"])
+    args = rime.parse_args(["--model", "tiny", "--warmstart-steps", "3", "--warmstart-reading", "0.5", "--warmstart-batch", "8"])
     warmstart.warm_start(learner, tok, envs.make("alchemy", num_trials=1), args, lambda r: None)
     assert sizes == [4, 4, 4]           # 4 of each batch of 8 are reading rows (the protocol rows are 3 tokens)
     with pytest.raises(SystemExit):
