@@ -90,16 +90,21 @@ def note_decision_rows(ep) -> list:
     and hardly ever to act on its notes (a warm start without these rows left an actor repeating 0.24 of
     those moves, what exploring gives, against 0.86 elsewhere); the warm start gives them their own share of
     each batch (--warmstart-decisions), and with it the actor repeats 0.79 (docs/results.md, v14)."""
-    from alchemy import note_reader_reply
     out, turn = [], 0
     for row in ep.rows():
         for span in _spans(row.loss_mask):
-            reply = note_reader_reply(ep.memory, ep.observations[turn]) if turn < len(ep.observations) else None
-            if reply and "<action>apply" in reply:
+            if notes_decide(ep, turn):
                 end = span[-1] + 1
                 out.append((row.tokens[:end], [0] * span[0] + [1] * (end - span[0])))
             turn += 1
     return out
+
+
+def notes_decide(ep, turn: int) -> bool:
+    """Whether the notes the episode's actor was given (ep.memory) decide an apply in the state its reply
+    `turn` answers (alchemy.note_reader_reply's chain), rather than leaving the move to exploring."""
+    from alchemy import note_reader_reply
+    return turn < len(ep.observations) and "<action>apply" in (note_reader_reply(ep.memory, ep.observations[turn]) or "")
 
 
 def reading_data(tokenizer, seed: int):
@@ -189,12 +194,12 @@ def note_agreement(model, tokenizer, env, streams, args) -> dict:
     the protocol's history as its context. Returns {"match": share of those moves it repeats, "explore":
     share where the protocol's move without notes is the same (what an actor ignoring them repeats),
     "states": n}."""
-    from alchemy import note_reader_reply, protocol_reply
+    from alchemy import protocol_reply
     protocol = dataclasses.replace(args, warmstart_mode="protocol")
     wanted, contexts, explore = [], [], []
     for t, ep, _ in scripted_play(tokenizer, env, streams, protocol):
         for turn, (action, context) in enumerate(zip(ep.actions, reply_contexts(ep))):
-            if t and "<action>apply" in (note_reader_reply(ep.memory, ep.observations[turn]) or ""):
+            if t and notes_decide(ep, turn):
                 wanted.append(action)
                 contexts.append(context)
                 explore.append(rollout.parse_action(protocol_reply("", ep.observations[turn])) == action)
