@@ -16,6 +16,9 @@ memory minus that actor's own from-scratch score, per stream:
   world: a gain that survives this does not come from what the notes say about the world.
 - actor A reading reference memories given per stream (rime.py passes the scripted writer's true
   notes on Alchemy): what the reader makes of notes that are right.
+- actor A with a scripted writer in the loop (play_with_writer; rime.py passes warmstart.scripted_writers
+  on Alchemy): what a memory written that way is worth to this reader, an upper bound on what RL's
+  writer gains by learning to write like it.
 
 Replays decode like the evaluation (the same episode seeds, the same batch of streams), so under
 greedy decoding a replay of an actor's own memories gives back its evaluation exactly.
@@ -31,15 +34,32 @@ def replay(actor, tokenizer, env, streams, memories, *, temperature=0.0, max_tur
            seed=EVAL_SEED) -> list:
     """Cumulative reward per stream when the actor of task t of stream i reads memories[i][t - 1]
     (given texts, not its writer's; the first task reads none). env is cloned per stream."""
+    return _play(actor, tokenizer, env, streams, lambda t, eps, old: [m[t] for m in memories],
+                 temperature=temperature, max_turns=max_turns, max_new_tokens=max_new_tokens, seed=seed)
+
+
+def play_with_writer(actor, tokenizer, env, streams, write, *, temperature=0.0, max_turns=None,
+                     max_new_tokens=128, seed=EVAL_SEED) -> list:
+    """Cumulative reward per stream when the actor plays its tasks in order and a scripted writer in the
+    loop writes each next memory: write(episode, old memory) -> the memory task t + 1 reads (the first
+    task reads none). Unlike replay, the memories follow this actor's own episodes. Same seeds as replay."""
+    return _play(actor, tokenizer, env, streams, lambda t, eps, old: [write(ep, m) for ep, m in zip(eps, old)],
+                 temperature=temperature, max_turns=max_turns, max_new_tokens=max_new_tokens, seed=seed)
+
+
+def _play(actor, tokenizer, env, streams, next_memories, *, temperature, max_turns, max_new_tokens, seed) -> list:
+    """The streams side by side (env cloned per stream), task by task; after task t the memories the next
+    task reads are next_memories(t, that task's episodes, the memories it read)."""
     envs_ = [env] + [env.clone() for _ in streams[1:]]
-    totals = [0.0] * len(streams)
+    totals, memory = [0.0] * len(streams), [""] * len(streams)
     try:
         for t in range(len(streams[0])):
-            memory = ["" if t == 0 else memories[i][t - 1] for i in range(len(streams))]
             eps = rollout.run_episodes(actor, tokenizer, envs_, [s[t] for s in streams], memory=memory,
                                        temperature=temperature, seed=seed * 7907 + t, max_turns=max_turns,
                                        max_new_tokens=max_new_tokens)
             totals = [x + ep.score for x, ep in zip(totals, eps)]
+            if t + 1 < len(streams[0]):
+                memory = next_memories(t, eps, memory)
     finally:
         for e in envs_[1:]:
             e.close()
@@ -62,12 +82,13 @@ def _cell(gains) -> dict:
     return {"gain": m, "ci95": [lo, hi], "stream_gains": list(gains)}
 
 
-def attribute(actors: dict, evals: dict, tokenizer, env, streams, *, references: dict = None, on_replay=None,
-              **settings) -> dict:
+def attribute(actors: dict, evals: dict, tokenizer, env, streams, *, references: dict = None, writers: dict = None,
+              on_replay=None, **settings) -> dict:
     """{"cells": {(actor, memories): cell}, "parts": {...}}, a cell = {gain, ci95, stream_gains}.
     evals[name] needs "memories", "stream_gains" and "stream_scratch" (see the module docstring);
     references: {name: memories per stream} that every actor also reads, e.g. a scripted writer's
-    true notes (cell "<actor> actor, <name> memories");
+    true notes (cell "<actor> actor, <name> memories"); writers: {name: write(episode, old memory)}, scripted
+    writers played in the loop with every actor (play_with_writer; cell "<actor> actor, <name> writer");
     settings go to replay (temperature, max_turns, max_new_tokens). "parts", when there are exactly
     the two names "before RL" and "after RL": the writer's and the actor's part of the RL effect and
     what is left (their interaction), each paired over the streams."""
@@ -92,6 +113,11 @@ def attribute(actors: dict, evals: dict, tokenizer, env, streams, *, references:
         for name, memories in (references or {}).items():
             got = replay(model, tokenizer, env, streams, memories, **settings)
             cells[f"{a} actor, {name} memories"] = _cell([g - s for g, s in zip(got, scratch)])
+            if on_replay:
+                on_replay()
+        for name, write in (writers or {}).items():
+            got = play_with_writer(model, tokenizer, env, streams, write, **settings)
+            cells[f"{a} actor, {name} writer"] = _cell([g - s for g, s in zip(got, scratch)])
             if on_replay:
                 on_replay()
     out = {"cells": cells, "other_world": partner}

@@ -720,7 +720,8 @@ def main(argv=None) -> Run:
 def attribution_phase(run: Run, after: dict) -> dict:
     """The RL effect split into the writer's part and the actor's (attribution.py): the actor RL
     started from and the trained one, each replayed with the other's held-out memories, with
-    another world's and, on Alchemy, with the scripted writer's true notes (alchemy.stream_notes).
+    another world's and, on Alchemy, with the scripted writer's true notes (alchemy.stream_notes) and with
+    scripted writers in the loop (warmstart.scripted_writers: what a memory written that way is worth).
     The start weights are <run>/warmstart, else --init-from, else --model's own."""
     from tqdm import tqdm
     args = run.args
@@ -733,16 +734,19 @@ def attribution_phase(run: Run, after: dict) -> dict:
     actors = {"before RL": start.eval(), "after RL": (run.actor_model or run.learner.gen_model).eval()}
     settings = dict(temperature=args.eval_temperature, max_turns=args.max_turns, max_new_tokens=args.max_new_tokens)
     before = dict(run.state["eval_before"])
-    refs = {}
+    refs, writers = {}, {}
     if args.env == "alchemy":
         import alchemy
         refs["the scripted writer's"] = [alchemy.stream_notes(run.env, s) for s in run.streams]
-    with tqdm(total=5 + 2 * len(refs), desc="attribution", leave=False) as bar:
+        writers = warmstart.scripted_writers(args.traj_chars,
+                                             lambda text: len(run.tokenizer.encode(text)) <= args.memory_tokens)
+    with tqdm(total=5 + 2 * len(refs) + 2 * len(writers), desc="attribution", leave=False) as bar:
         if before.get("stream_scratch") is None:          # a reused evaluation from before they were stored
             before["stream_scratch"] = attribution.scratch_of(before, start, run.tokenizer, run.env, run.streams, **settings)
         bar.update(1)
         result = attribution.attribute(actors, {"before RL": before, "after RL": after}, run.tokenizer, run.env,
-                                       run.streams, references=refs, on_replay=lambda: bar.update(1), **settings)
+                                       run.streams, references=refs, writers=writers, on_replay=lambda: bar.update(1),
+                                       **settings)
     run.log({"phase": "attribution", **{k: v for k, v in result.items() if k != "cells"},
              "cells": {k: {n: c[n] for n in ("gain", "ci95")} for k, c in result["cells"].items()}})
     return result

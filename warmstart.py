@@ -55,10 +55,45 @@ def protocol_memory(ep, traj_chars: int) -> str:
     and two generic lessons. It infers nothing and keeps nothing of the previous memory: keeping facts
     across tasks, fixing wrong ones and choosing what fits the cap is left to RL."""
     from alchemy import observed_notes
-    facts = observed_notes([rollout.trajectory_text(ep, traj_chars)])
-    facts += list(PROTOCOL_FILLER[:max(0, 2 - len(facts))])
+    return protocol_text(observed_notes([rollout.trajectory_text(ep, traj_chars)]))
+
+
+def protocol_text(facts: list) -> str:
+    """Facts (bullet lines) in the memory's two-section shape, with protocol_memory's filler and lessons."""
+    facts = list(facts) + list(PROTOCOL_FILLER[:max(0, 2 - len(facts))])
     return ("### Repository Knowledge\n" + "\n".join(facts) + "\n\n### Lessons & Pitfalls\n"
             + "\n".join(PROTOCOL_LESSONS))
+
+
+def scripted_writers(traj_chars: int, fits) -> dict:
+    """Scripted Alchemy writers to play in the loop with a learned actor (attribution.play_with_writer), each a
+    function (episode, old memory) -> memory, from what the warm start teaches to what only inference gives:
+      transcribing:        protocol_memory, the warm start's target (what this episode showed, nothing kept);
+      transcribing, keeping: the old memory's facts kept, this episode's added (the oldest dropped until the
+                           memory `fits`, a predicate on its text: the memory cap);
+      transcribing + best inferred: protocol_memory with the best stone the episode's stone values imply
+                           (alchemy.inferred_best) in place of a seen one.
+    What each is worth to an actor bounds what RL can gain by learning to write like it (docs/results.md)."""
+    from alchemy import inferred_best, observed_notes
+
+    def facts_of(memory: str) -> list:
+        return [line for line in memory.split("### Lessons")[0].splitlines()
+                if line.startswith("- ") and line not in PROTOCOL_FILLER]
+
+    def keeping(ep, old: str) -> str:
+        facts = list(dict.fromkeys(facts_of(old) + observed_notes([rollout.trajectory_text(ep, traj_chars)])))
+        while facts and not fits(protocol_text(facts)):
+            facts = facts[1:]
+        return protocol_text(facts)
+
+    def inferring(ep, old: str) -> str:
+        facts = facts_of(protocol_memory(ep, traj_chars))
+        best = inferred_best(ep.observations)
+        if best is not None:
+            facts = [f for f in facts if not f.startswith("- best ")] + [best]
+        return protocol_text(facts)
+    return {"transcribing": lambda ep, old: protocol_memory(ep, traj_chars),
+            "transcribing, keeping": keeping, "transcribing + best inferred": inferring}
 
 
 def warmstart_rows(tokenizer, env, tasks, args, decisions: list | None = None):
@@ -234,11 +269,15 @@ def reply_contexts(ep) -> list:
     return [row.tokens[:span[0]] for row in ep.rows() for span in _spans(row.loss_mask)]
 
 
-def greedy_replies(model, tokenizer, contexts, max_new_tokens: int) -> list:
-    """rollout.greedy_actions in eval mode, the model's mode restored after."""
+def greedy_replies(model, tokenizer, contexts, max_new_tokens: int, chunk: int = 256) -> list:
+    """rollout.greedy_actions in eval mode, `chunk` contexts per call (the KV caches of one call grow with
+    it: all ~3,000 states of reference_match on 64 held-out streams in one call took 14 GB), the model's
+    mode restored after."""
     was_training = model.training
     model.eval()
-    guesses = rollout.greedy_actions(model, tokenizer, contexts, max_new_tokens)
+    guesses = []
+    for i in range(0, len(contexts), chunk):
+        guesses += rollout.greedy_actions(model, tokenizer, contexts[i:i + chunk], max_new_tokens)
     model.train(was_training)
     return guesses
 

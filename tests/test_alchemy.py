@@ -8,7 +8,7 @@ import pytest
 
 import envs
 from alchemy import (ALL_EDGES, COLOURS, AlchemyEnv, FEATURE_NAMES, FEATURES, LEVELS, Chemistry, chemistry_of,
-                     explore_action, format_notes, note_reader_reply, observed_notes, oracle_policy, parse_action, parse_notes, parse_observation, stone_text,
+                     explore_action, inferred_best, protocol_reply, format_notes, note_reader_reply, observed_notes, oracle_policy, parse_action, parse_notes, parse_observation, stone_text,
                      stone_value, trial_optimum)
 from envs import Task
 
@@ -421,3 +421,21 @@ def test_observed_notes_transcribe_only_what_the_observations_said():
                                                           "good": dict(zip(FEATURE_NAMES, ("large", "purple", "pointy"))),
                                                           "blocked": []}
     assert observed_notes(["p1 pink on s1: large red. s1 is now ..."]) == []     # not its own colour: not an effect
+
+
+def test_the_best_stone_is_inferred_from_the_values_seen_and_never_wrong(env, train):
+    """inferred_best: a stone of value -3 has every feature at its bad end, so the best is its opposite;
+    one stone of +1 alone leaves it open (None). On real tasks the first observation settles it in most
+    and is never wrong (the +15 corner's look is the stone map's image of latent 111)."""
+    obs = env.reset(hand_task(stones=[0b110, 0b000], potions=[RED, YELLOW], flips=1))
+    assert inferred_best([obs]) == "- best small purple pointy"
+    assert inferred_best([env.reset(hand_task(stones=[0b110], potions=[RED], flips=1))]) is None
+    assert inferred_best(["Symbolic Alchemy: no stones here"]) is None
+    settled = 0
+    for task in train[:40]:
+        first = env.reset(task)
+        got = inferred_best([first])
+        if got is not None:
+            assert got == "- best " + stone_text(7 ^ chemistry_of(task.data).flips), task.id
+            settled += 1
+    assert settled >= 20

@@ -83,3 +83,26 @@ def test_one_world_has_no_other_world():
     env = envs.make("alchemy", num_trials=1, num_test_worlds=1)
     streams = rime.eval_streams(env, rime.parse_args(["--eval-streams", "3"]))
     assert attribution.other_world(streams) is None
+
+
+def test_a_scripted_writer_in_the_loop_writes_what_the_next_task_reads(two_evals):
+    """play_with_writer: a writer that writes nothing gives back the actor's from-scratch sums (greedy, same
+    seeds); a writer's memory after task t is the one task t + 1 reads; attribute's writers add a cell each."""
+    actors, evals, tok, env, streams, settings = two_evals
+    model = actors["before RL"]
+    assert attribution.play_with_writer(model, tok, env, streams, lambda ep, old: "", **settings) == pytest.approx(
+        evals["before RL"]["stream_scratch"], abs=1e-9)
+    seen = []
+
+    def write(ep, old):
+        seen.append((ep.memory, old))
+        return f"### Repository Knowledge\n- after {ep.task.id}\n"
+    longer = rime.eval_streams(env, rime.parse_args(["--model", "tiny", "--eval-streams", "2", "--eval-segment", "2"]))
+    attribution.play_with_writer(model, tok, env, longer, write, **settings)
+    assert len(seen) == 2 * 3                                   # 4 tasks a stream; nothing reads the last one's
+    assert all(given == old for given, old in seen)            # the memory the actor read is the old one handed on
+    assert {old for _, old in seen[:2]} == {""}                 # the first task reads none
+    assert [old.split("- after ")[1] for _, old in seen[2:]] == [s[t].id + "\n" for t in range(2) for s in longer]
+    out = attribution.attribute({"before RL": model}, {"before RL": evals["before RL"]}, tok, env, streams,
+                                writers={"empty": lambda ep, old: ""}, **settings)
+    assert out["cells"]["before RL actor, empty writer"]["gain"] == pytest.approx(0.0, abs=1e-9)

@@ -11,6 +11,7 @@ import torch
 
 import curriculum
 import envs
+import rewards
 import rime
 import rollout
 import warmstart
@@ -648,3 +649,41 @@ def test_warm_start_rehearses_the_readers_rungs(monkeypatch):
     assert sizes == [4, 4, 4]           # 4 of each batch of 8 are reading rows (the protocol rows are 3 tokens)
     with pytest.raises(SystemExit):
         rime.parse_args(["--model", "small", "--warmstart-reading", "1.5"])
+
+
+def test_scripted_writers_transcribe_keep_and_infer():
+    """warmstart.scripted_writers, played in the loop by rime.py --attribute: transcribing writes what this
+    episode showed and nothing older; keeping adds it to the old memory's facts, dropping the oldest until
+    the memory fits; the inferring writer adds the best stone the stone values imply (here s2 at -3)."""
+    env = envs.make("alchemy")
+    task = env.tasks("test")[0]
+    first = ("Symbolic Alchemy ...\nTrial 1 of 1, 20 steps left.\nStones: s1 large purple pointy (value +1); "
+             "s2 large blue round (value -3)\nPotions: p1 red, p2 yellow\nActions: apply P S | cauldron S | end")
+    ep = rollout.Episode(task=task, tokens=[], loss_mask=[], logprobs=[], actions=["apply p2 s2"],
+                         observations=[first, "p2 yellow on s2: pointy yellow. s2 is now large blue pointy (value -1)."])
+    old = warmstart.protocol_text(["- small red", "- round green"])
+    writers = warmstart.scripted_writers(1200, fits=lambda text: text.count("\n- ") <= 5)
+    facts = lambda mem: [l for l in mem.split("### Lessons")[0].splitlines() if l.startswith("- ")]
+    assert facts(writers["transcribing"](ep, old)) == ["- pointy yellow", warmstart.PROTOCOL_FILLER[0]]
+    assert facts(writers["transcribing, keeping"](ep, old)) == ["- small red", "- round green", "- pointy yellow"]
+    tight = warmstart.scripted_writers(1200, fits=lambda text: text.count("\n- ") <= 4)
+    assert facts(tight["transcribing, keeping"](ep, old)) == ["- round green", "- pointy yellow"]   # the oldest went
+    assert facts(writers["transcribing + best inferred"](ep, old)) == ["- pointy yellow", "- best small purple pointy"]
+    for write in writers.values():
+        assert rewards.writer_format_ok(write(ep, old), old)[0]
+
+
+def test_greedy_replies_in_chunks_are_the_replies_of_one_call(monkeypatch):
+    """warmstart.greedy_replies bounds its memory by answering `chunk` contexts per generate call: every
+    context once, in order, no call larger than the chunk; the model's training mode comes back."""
+    calls = []
+
+    def fake(model, tokenizer, contexts, max_new_tokens):
+        calls.append(len(contexts))
+        assert not model.training
+        return [f"apply p1 s{len(c)}" for c in contexts]
+    monkeypatch.setattr(rollout, "greedy_actions", fake)
+    model = torch.nn.Linear(1, 1).train()
+    contexts = [[0] * n for n in range(1, 8)]
+    assert warmstart.greedy_replies(model, None, contexts, 8, chunk=3) == [f"apply p1 s{n}" for n in range(1, 8)]
+    assert calls == [3, 3, 1] and model.training
