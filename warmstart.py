@@ -80,15 +80,17 @@ def scripted_writers(traj_chars: int, fits) -> dict:
         return [line for line in memory.split("### Lessons")[0].splitlines()
                 if line.startswith("- ") and line not in PROTOCOL_FILLER]
 
+    def seen(ep) -> list:           # what protocol_memory transcribes
+        return observed_notes([rollout.trajectory_text(ep, traj_chars)])
+
     def keeping(ep, old: str) -> str:
-        facts = list(dict.fromkeys(facts_of(old) + observed_notes([rollout.trajectory_text(ep, traj_chars)])))
+        facts = list(dict.fromkeys(facts_of(old) + seen(ep)))
         while facts and not fits(protocol_text(facts)):
             facts = facts[1:]
         return protocol_text(facts)
 
     def inferring(ep, old: str) -> str:
-        facts = facts_of(protocol_memory(ep, traj_chars))
-        best = inferred_best(ep.observations)
+        facts, best = seen(ep), inferred_best(ep.observations)
         if best is not None:
             facts = [f for f in facts if not f.startswith("- best ")] + [best]
         return protocol_text(facts)
