@@ -1,6 +1,6 @@
 """The laptop model learns to read before it meets a task: in-context lookup, from synthetic random data.
 
-    python pretrain.py            # build the reader once (~70 min on 2 cores) and cache it; rerun = reuse
+    python pretrain.py            # build the reader once (~90 min on 2 cores) and cache it; rerun = reuse
     python pretrain.py --check    # the reading ladder: accuracy per rung on held-out items, beside chance
     python pretrain.py --where    # the reader's HF directory (weights + tokenizer; model.load / load_tokenizer)
 
@@ -24,10 +24,14 @@ So the reader is trained here, like a downloaded checkpoint, on a curriculum of 
   history       the hop at a later turn: 1-5 earlier moves, their outcomes and the new states before it, as
                 rollout.py renders an episode; only the last reply is scored (the cauldron when a stone is
                 already the best, else the hop)
+  infer         a state's stones and their values, then "- best" -> " large purple pointy": the best stone
+                inferred (a -3 stone has every feature at its bad end, ...), the writer's note before any
+                stone has shown +15; Alchemy's feature pairs (the game's vocabulary), random stone maps
 
 The phases advance by mastery at a constant lr (their length is not known in advance); then a cool-down
 of 300 steps on the last phase's mix with the lr decaying to 0 (the decay of a warm-up / stable / decay
-schedule) settles what the constant lr's noise kept moving.
+schedule) settles what the constant lr's noise kept moving; then the inference stage (recipe 10): the
+infer rung beside that mix, the same lr shape. `--base` builds it from a finished recipe-9 reader.
 
 Every word is drawn at random from the tokenizer's whole-word tokens and paired at random: no fact of
 any Alchemy world, task or answer appears (Alchemy's words are among thousands of pairings, never a
@@ -40,7 +44,7 @@ The reader is a directory in Hugging Face format. `reader_dir()` is the shipped 
 build resumes). metrics.jsonl and ladder.json sit beside the weights.
 
 Simplified on purpose: one fixed curriculum (phase weights below), Alchemy's words only in the hop rung's
-template; no packing (rows of one step are sorted by length into micro-batches instead).
+template and the infer rung's feature pairs; no packing (rows of one step are sorted by length into micro-batches instead).
 """
 
 import functools
@@ -60,7 +64,7 @@ import cli
 
 REPO = Path(__file__).resolve().parent
 SHIPPED = REPO / "weights" / "reader"
-RECIPE_VERSION = 9          # bump when the data or the model changes: the cache key and the shipped check use it
+RECIPE_VERSION = 10         # bump when the data or the model changes: the cache key and the shipped check use it
 
 
 # -----------------------------------------------------------------------------
@@ -75,12 +79,15 @@ class Args:
     lr: float = 3e-3             # AdamW learning rate (50 warm-up steps, then constant: lr_at)
     anneal_steps: int = 300      # then the cool-down: this many steps of the last phase's mix, lr decaying to 0
     anneal_lr: float = 1e-3      # the cool-down's peak lr (a fresh AdamW, 20 warm-up steps: anneal_lr_at)
+    infer_steps: int = 1000      # then the inference stage: the cool-down's mix plus the infer rung, same lr shape
     seed: int = 0
     micro_tokens: int = 4096     # tokens per micro-batch (a step's items, sorted by length, padded per micro-batch)
     checkpoint_every: int = 100  # steps between resumable checkpoints (out/partial.pt)
     eval_items: int = 200        # held-out items per ladder rung
     target: float = 0.9          # the ladder's bar for every rung the tasks use
     out: str = ""                # build into this dir instead of the cache (e.g. weights/reader to ship it)
+    base: str = ""               # build from this finished reader of the previous recipe (curriculum + cool-down):
+                                 # only the stages it lacks run (recipe 10 from the recipe-9 weights: docs/reader.md)
     check: bool = False          # print the ladder of the reader (building it first if needed); exit 1 below target
     where: bool = False          # print the reader's directory and exit
     threads: int = 0             # CPU threads (0 = all cores)
@@ -88,7 +95,12 @@ class Args:
     def __post_init__(self):
         for name in ("steps", "batch", "micro_tokens", "eval_items", "checkpoint_every"):
             cli.check(getattr(self, name) >= 1, f"{cli.flag(name)} must be >= 1, got {getattr(self, name)}")
-        cli.check(self.anneal_steps >= 0, f"--anneal-steps must be >= 0, got {self.anneal_steps}")
+        for name in ("anneal_steps", "infer_steps"):
+            cli.check(getattr(self, name) >= 0, f"{cli.flag(name)} must be >= 0, got {getattr(self, name)}")
+        cli.check(not self.base or (Path(self.base) / "recipe.json").is_file(),
+                  f"--base {self.base!r}: not a finished reader (no recipe.json there)")
+        cli.check(not (self.base and self.out and Path(self.base).resolve() == Path(self.out).resolve()),
+                  "--base and --out must differ (the build starts by clearing --out)")
         cli.check_number("lr", self.lr, lo=0, lo_open=True)
         cli.check_number("anneal_lr", self.anneal_lr, lo=0, lo_open=True)
         cli.check_number("target", self.target, lo=0)
@@ -101,7 +113,8 @@ def recipe(args: Args) -> dict:
     return json.loads(json.dumps({"version": RECIPE_VERSION, "model": MODEL_SHAPE, "vocab": VOCAB_SIZE,
                                   "steps": args.steps, "batch": args.batch, "lr": args.lr, "seed": args.seed,
                                   "anneal_steps": args.anneal_steps, "anneal_lr": args.anneal_lr,
-                                  "anneal_seed": ANNEAL_SEED,
+                                  "anneal_seed": ANNEAL_SEED, "infer_steps": args.infer_steps,
+                                  "infer_seed": INFER_SEED, "infer_weight": INFER_WEIGHT,
                                   "phases": PHASES, "gate_every": GATE_EVERY, "pool_seed": POOL_SEED,
                                   "pool": POOL, "task_words": TASK_WORDS}))
 
@@ -413,9 +426,34 @@ class Data:
                     1 / (len(stones) if cauldron else len(set(potions.values())) * len(stones)))
 
 
+    def infer(self) -> Item:
+        """The best stone's look inferred from stones and their values: an observation's state, then the
+        note "- best" -> " large purple pointy". The writer's note when no stone has shown +15 yet (measured:
+        worth +0.25 a stream over transcribing to the v14 actor, docs/results.md). Alchemy's three feature
+        pairs are the game's vocabulary, the same in every world; the stone map (which end of each pair is
+        good) and the 2-4 stones are random, and an item is kept only when the values settle all three
+        features and no stone is the best itself (+15 would state it: a copy, not the inference). The
+        rule to learn: a stone's value is -3 + 2 per feature at its good end (+15 with all three)."""
+        from alchemy import stone_text, stone_value
+        while True:
+            flips = self.rng.randrange(8)                       # look bits ^ flips = the latent corner
+            looks = self.rng.sample(range(8), self.rng.randint(2, 4))
+            values = {b: stone_value(b ^ flips) for b in looks}
+            if 7 ^ flips in values:
+                continue
+            maps = [m for m in range(8) if all(stone_value(b ^ m) == v for b, v in values.items())]
+            if len({7 ^ m for m in maps}) == 1:
+                break
+        stones = {i: (tuple(stone_text(b).split()), v) for i, (b, v) in enumerate(values.items(), 1)}
+        others = [w for w in self.words if w not in FEATURE_WORDS] or self.words   # potions are never feature words
+        potions = [self.rng.choice(others) for _ in range(self.rng.randint(3, 8))]
+        return self.text_item(f"{self.state_text(stones, potions)}\n- best", " " + stone_text(7 ^ flips), 1 / 8)
+
+
 # rung -> used by the tasks (the ladder's target applies), in curriculum order
 RUNGS = {"recall": False, "copy": True, "lookup6": True, "lookup12": True, "lookup_cap": True,
-         "lookup_action": True, "hop": True, "history": True}
+         "lookup_action": True, "hop": True, "history": True, "infer": True}
+STAGE_ONLY = {"infer"}      # rungs only a stage after the curriculum trains: the curriculum's gates leave them out
 # The curriculum, by mastery: (phase, words in the pool (0 = all), {rung: weight}, share of --batch, gate).
 # A phase ends when every gate rung reaches its accuracy on a 64-item check of the phase's pool (every
 # GATE_EVERY steps); the last phase ends when every rung the tasks use reaches --target, or at --steps.
@@ -436,6 +474,7 @@ POOL = 12                   # the words the reader is trained and checked on
 POOL_SEED = 5               # the fixed shuffle of the other words (Data.use_pool)
 TASK_WORDS = [w for pair in ("small large".split(), "blue purple".split(), "round pointy".split()) for w in pair] + \
     "red green orange cyan yellow pink".split()     # alchemy.FEATURES and COLOURS (tests check they agree)
+FEATURE_WORDS = set(TASK_WORDS[:6])   # the feature pairs' words: the infer rung's stones, never its potions
 GATE_EVERY = 50
 
 
@@ -488,14 +527,27 @@ def lr_at(step: int, args: Args) -> float:
     return args.lr * min(1.0, (step + 1) / 50)
 
 
-def anneal_lr_at(i: int, args: Args) -> float:
-    """The cool-down's lr at its step i: 20 warm-up steps (its AdamW is fresh) to anneal_lr, then linear to
-    0 at anneal_steps. Measured on the recipe-8 reader (docs/reader.md, "The cool-down"): 300 such steps
-    took the hop 0.695 -> 0.92 and 1-of-12 0.680 -> 0.895; at a constant lr the gate checks swung 0.47-0.70."""
-    return args.anneal_lr * min(1.0, (i + 1) / 20) * (1 - i / args.anneal_steps)
+def anneal_lr_at(i: int, args: Args, steps: int = None) -> float:
+    """A stage's lr at its step i: 20 warm-up steps (its AdamW is fresh) to anneal_lr, then linear to 0 at
+    its `steps` (the cool-down's: anneal_steps). Measured on the recipe-8 reader (docs/reader.md, "The
+    cool-down"): 300 such steps took the hop 0.695 -> 0.92 and 1-of-12 0.680 -> 0.895; at a constant lr
+    the gate checks swung 0.47-0.70."""
+    steps = args.anneal_steps if steps is None else steps
+    return args.anneal_lr * min(1.0, (i + 1) / 20) * (1 - i / steps)
 
 
 ANNEAL_SEED = 4_242         # + --seed: the cool-down's items (neither the curriculum's stream nor a check's)
+INFER_SEED = 7_777          # + --seed: the inference stage's items
+INFER_WEIGHT = 0.7          # the infer rung's share of the inference stage's items (the rest: the cool-down's mix)
+
+
+def stages(args: Args) -> list:
+    """The stages after the curriculum, each a fresh AdamW with anneal_lr_at's lr on a fixed mix of items:
+    (name, {rung: weight}, steps, item seed). The cool-down settles the curriculum's last phase; the
+    inference stage adds the infer rung (recipe 10) while rehearsing that mix."""
+    last = PHASES[-1][2]
+    mix = {**{r: w * (1 - INFER_WEIGHT) for r, w in last.items()}, "infer": INFER_WEIGHT}
+    return [("cool-down", last, args.anneal_steps, ANNEAL_SEED), ("infer", mix, args.infer_steps, INFER_SEED)]
 
 
 VALIDATION_SEED = 20_011    # the gate checks' items: neither the training stream (--seed) nor the ladder's
@@ -548,7 +600,8 @@ def ladder_passes(result: dict, target: float) -> bool:
 
 def build(args: Args, out: Path) -> Path:
     """Train the reader into `out` (HF format + recipe.json + ladder.json + metrics.jsonl): the curriculum,
-    then the cool-down. A killed build resumes from out/partial.pt (every --checkpoint-every steps)."""
+    then the stages (the cool-down, the inference stage). A killed build resumes from out/partial.pt (every
+    --checkpoint-every steps); with --base, the build starts from that reader at the first stage it lacks."""
     from model import save
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     out.mkdir(parents=True, exist_ok=True)
@@ -563,19 +616,26 @@ def build(args: Args, out: Path) -> Path:
         if cool is None:                         # still in the curriculum
             opt.load_state_dict(state["opt"])
             data.rng.setstate(state["rng"])
-        print(f"pretrain: resuming {out} at step {start} ({'the cool-down' if cool else PHASES[current][0]})")
+        where = stages(args)[cool.get("stage", 0)][0] if cool else PHASES[current][0]
+        print(f"pretrain: resuming {out} at step {start} ({where})")
         if (out / "metrics.jsonl").exists():     # drop the rows of the steps after the checkpoint: they rerun
             rows = [r for r in (out / "metrics.jsonl").read_text().splitlines() if json.loads(r)["step"] <= start]
             (out / "metrics.jsonl").write_text("".join(r + "\n" for r in rows))
+    elif args.base:
+        model, tok, start, current, cool = from_base(args, out)
     else:
-        print(f"pretrain: building the reader (at most {args.steps} + {args.anneal_steps} steps, batch "
-              f"{args.batch}) into {out}; this runs once and is then reused")
+        print(f"pretrain: building the reader (at most {args.steps} + "
+              f"{' + '.join(str(n) for _, _, n, _ in stages(args))} steps, batch {args.batch}) into {out}; "
+              "this runs once and is then reused")
     model.train()
     log = open(out / "metrics.jsonl", "a")
     if cool is None:
         end = curriculum(model, opt, data, tok, args, log, partial, start, current)
-        cool, start = {"end": end}, end
-    cool_down(model, tok, args, log, partial, cool, start)
+        cool, start = {"end": end, "stage": 0}, end
+    for k in range(cool.get("stage", 0), len(stages(args))):
+        anneal(model, tok, args, log, partial, cool, start, k)
+        start = cool["end"] + stages(args)[k][2]
+        cool = {"end": start, "stage": k + 1}
     log.close()
     result = with_all_words(model, tok, ladder(model, tok, args.eval_items))
     save(model, tok, out)
@@ -584,6 +644,29 @@ def build(args: Args, out: Path) -> Path:
     partial.unlink(missing_ok=True)
     print(ladder_table(result, args.target))
     return out
+
+
+BASE_STAGES = {9: 1}        # a finished reader of recipe N has the curriculum and this many stages
+
+
+def from_base(args: Args, out: Path):
+    """Start from --base, a finished reader of an earlier recipe whose curriculum and stages are this
+    recipe's first ones (same model, data and settings; only later stages differ): its weights, tokenizer
+    and metrics rows; the build goes on at the first stage it lacks."""
+    from model import load, load_tokenizer
+    base = Path(args.base)
+    stored = json.loads((base / "recipe.json").read_text())
+    done = BASE_STAGES.get(stored.get("version"))
+    mine = {k: v for k, v in recipe(args).items() if k in stored and k != "version"}
+    if done is None or stored != {**mine, "version": stored["version"]}:
+        cli.fail("pretrain.py", f"--base {base}: its recipe is not this recipe's first stages "
+                 f"(version {stored.get('version')}, this file builds on {sorted(BASE_STAGES)})")
+    rows = (base / "metrics.jsonl").read_text().splitlines()
+    (out / "metrics.jsonl").write_text("".join(r + "\n" for r in rows))
+    end = json.loads(rows[-1])["step"]
+    print(f"pretrain: starting from {base} (recipe {stored['version']}, step {end}): "
+          f"{', '.join(name for name, _, _, _ in stages(args)[done:])} to run")
+    return load(base), load_tokenizer(base), end, len(PHASES) - 1, {"end": end, "stage": done}
 
 
 def new_optimizer(model, lr: float):
@@ -617,7 +700,7 @@ def curriculum(model, opt, data, tok, args: Args, log, partial: Path, start: int
         row = {"step": step + 1, "phase": name, "loss": loss, "lr": lr_at(step, args), "s": time.time() - t0}
         if (step + 1) % GATE_EVERY == 0:
             # the gate: this phase's rungs (the last phase: every rung the tasks use) on validation items
-            bars = gate or {r: args.target for r, used in RUNGS.items() if used}
+            bars = gate or {r: args.target for r, used in RUNGS.items() if used and r not in STAGE_ONLY}
             row["gate"] = gate_check(model, tok, list(bars), pool)
             bar.write(f"step {step + 1} ({name}): loss {loss:.3f}; " + ", ".join(f"{r} {a:.2f}" for r, a in row["gate"].items()))
             if all(row["gate"][r] >= b for r, b in bars.items()):
@@ -644,38 +727,41 @@ def gate_check(model, tok, rungs: list, pool: int) -> dict:
     return {r: c["accuracy"] for r, c in check.items()}
 
 
-def cool_down(model, tok, args: Args, log, partial: Path, cool: dict, start: int) -> None:
-    """The cool-down: anneal_steps steps of the last phase's mix with a fresh AdamW whose lr decays to 0
-    (anneal_lr_at), on items of their own seed; `cool` holds where the curriculum ended ("end") and, when
-    resuming, the cool-down's optimizer and data state. The curriculum runs at a constant lr (its length is
-    decided by mastery), and its last checkpoints swing with that lr's noise; the decay settles them."""
+def anneal(model, tok, args: Args, log, partial: Path, cool: dict, start: int, k: int) -> None:
+    """Stage k of stages(): its steps of its mix with a fresh AdamW whose lr decays to 0 (anneal_lr_at), on
+    items of its own seed; `cool` holds the step where the stage began ("end") and, when resuming, its
+    optimizer and data state. The curriculum runs at a constant lr (its length is decided by mastery), and
+    its last checkpoints swing with that lr's noise; the decay settles them."""
     from tqdm import tqdm
-    _, pool, weights, share, _ = PHASES[-1]
+    name, weights, steps, seed = stages(args)[k]
+    pool, share = PHASES[-1][1], PHASES[-1][3]
     opt = new_optimizer(model, args.anneal_lr)
-    data = Data(tok, args.seed + ANNEAL_SEED)
+    data = Data(tok, args.seed + seed)
     data.use_pool(pool)
     if "opt" in cool:
         opt.load_state_dict(cool["opt"])
         data.rng.setstate(cool["rng"])
     end, first = cool["end"], start - cool["end"]
-    bar = tqdm(range(first, args.anneal_steps), desc="pretrain (cool-down)", initial=first, total=args.anneal_steps)
+    # the cool-down watches the curriculum's rungs; a later stage also its own
+    watched = [r for r, used in RUNGS.items() if used and (r not in STAGE_ONLY or r in weights)]
+    bar = tqdm(range(first, steps), desc=f"pretrain ({name})", initial=first, total=steps)
     t0 = time.time()
     for i in bar:
         items = step_items(data, weights, max(1, int(args.batch * share)))
-        lr = anneal_lr_at(i, args)
+        lr = anneal_lr_at(i, args, steps)
         for g in opt.param_groups:
             g["lr"] = lr
         loss = train_step(model, opt, items, tok.pad_token_id, args.micro_tokens)
         bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.1e}")
-        row = {"step": end + i + 1, "phase": "cool-down", "loss": loss, "lr": lr, "s": time.time() - t0}
-        if (i + 1) % GATE_EVERY == 0:           # watched, not gated: the cool-down runs its steps
-            row["gate"] = gate_check(model, tok, [r for r, used in RUNGS.items() if used], pool)
-            bar.write(f"cool-down step {i + 1}: loss {loss:.3f}; " + ", ".join(f"{r} {a:.2f}" for r, a in row["gate"].items()))
+        row = {"step": end + i + 1, "phase": name, "loss": loss, "lr": lr, "s": time.time() - t0}
+        if (i + 1) % GATE_EVERY == 0:           # watched, not gated: a stage runs its steps
+            row["gate"] = gate_check(model, tok, watched, pool)
+            bar.write(f"{name} step {i + 1}: loss {loss:.3f}; " + ", ".join(f"{r} {a:.2f}" for r, a in row["gate"].items()))
         log.write(json.dumps(row) + "\n")
         log.flush()
-        if (end + i + 1) % args.checkpoint_every == 0 and i + 1 < args.anneal_steps:
+        if (end + i + 1) % args.checkpoint_every == 0 and i + 1 < steps:
             save_partial(partial, model=model.state_dict(), step=end + i + 1, phase=len(PHASES) - 1,
-                         cool={"end": end, "opt": opt.state_dict(), "rng": data.rng.getstate()})
+                         cool={"end": end, "stage": k, "opt": opt.state_dict(), "rng": data.rng.getstate()})
     bar.close()
 
 

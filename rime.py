@@ -90,6 +90,7 @@ class Args:
     tier: str = "hard"               # second block's band: easy | mid | hard | mixed
     k: int = 3                       # writer reward window K
     beta: float = 0.3                # exploration bonus on the actor's advantage
+    writer_baseline: str = "past"    # past (GRPO's group mean + the past window's share: rewards.past_baseline) | group (GRPO's alone)
     explore_mode: str = "advantage"  # advantage (RIME) | reward (score + lam * explore)
     lam: float = 0.1                 # weight of explore in the reward form
     no_explore: bool = False         # ablation: no exploration reward (the judge is never called)
@@ -149,7 +150,7 @@ class Args:
             judge = "openai" if self.judge_url else "local"
             for name, value in dict(group_size=8, segment=6, eval_segment=6, lr=1e-6, max_turns=40,
                                     max_new_tokens=512, memory_tokens=2048, traj_chars=8000, eval_attempts=4,
-                                    warmstart_steps=0, judge=judge).items():
+                                    warmstart_steps=0, judge=judge, writer_baseline="group").items():
                 if getattr(self, name) == getattr(Args, name):   # explicit flags win over the preset
                     setattr(self, name, value)
         check = cli.check
@@ -183,6 +184,7 @@ class Args:
         check(self.warmstart_mode in ("protocol", "imitation"), f"--warmstart-mode must be protocol or imitation, got {self.warmstart_mode!r}")
         check(self.order in ("easy_to_hard", "shuffled"), f"--order must be easy_to_hard or shuffled, got {self.order!r}")
         check(self.explore_mode in ("advantage", "reward"), "--explore-mode must be advantage or reward")
+        check(self.writer_baseline in ("past", "group"), "--writer-baseline must be past or group")
         check(self.writer in ("shared", "frozen", "decoupled"), "--writer must be shared, frozen or decoupled")
         check(self.actor in ("trained", "frozen"), "--actor must be trained or frozen")
         check(not (self.actor == "frozen" and self.writer != "shared"), "--actor frozen trains only the writer: keep --writer shared")
@@ -419,7 +421,11 @@ def rl_rows(outs, groups_of, args: Args, writer_prompt_text: str):
                 continue                     # the last memory has no later task: no reward, no row
             w_rewards.append(r.reward); w_groups.append((groups_of[c], t)); w_items.append(o.writes[t])
             deltas.append(r.delta); pasts.append(r.past_mean)
-    w_adv, w_keep = rewards.group_advantages(w_rewards, w_groups)
+    # the writer's baseline: GRPO's group mean, and with --writer-baseline past also the part of the
+    # reward its past window predicts (rewards.past_baseline: variance only, the reward is unchanged)
+    baselined, slope = (rewards.past_baseline(w_rewards, pasts, w_groups) if args.writer_baseline == "past"
+                        else (w_rewards, float("nan")))
+    w_adv, w_keep = rewards.group_advantages(baselined, w_groups)
     if args.writer != "frozen":
         for w, a, k in zip(w_items, w_adv, w_keep):
             if k:
@@ -430,6 +436,7 @@ def rl_rows(outs, groups_of, args: Args, writer_prompt_text: str):
                  writer_reward=sum(w_rewards) / max(len(w_rewards), 1), writer_format_ok=sum(oks) / len(oks),
                  writer_delta=sum(deltas) / max(len(deltas), 1),
                  mean_reversion_corr=rewards.mean_reversion_corr(deltas, pasts) if len(deltas) > 2 else float("nan"),
+                 past_slope=slope,
                  writer_empty=statuses.count("empty") / len(statuses),
                  writer_truncated=statuses.count("truncated") / len(statuses),
                  actor_rows=len(actor), writer_rows=len(writer),

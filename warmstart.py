@@ -153,12 +153,13 @@ def reading_data(tokenizer, seed: int):
 
 
 def reading_rows(data, n: int, rng: random.Random) -> list:
-    """n rows of the reader's own curriculum (pretrain.py's last phase: notes looked up and acted on, over
-    random words), as (tokens, loss mask): rehearsed beside the warm start's rows so that imitating the
-    protocol does not overwrite the reading (measured: without them, 150 steps at lr 3e-3 took lookup6
-    from 1.00 to 0.16 and the hop from 0.52 to 0.00). Random content: no task knowledge."""
+    """n rows of the reader's own curriculum (the mix of pretrain.py's last stage: notes looked up and acted
+    on, and the best stone inferred from stone values, over random words), as (tokens, loss mask):
+    rehearsed beside the warm start's rows so that imitating the protocol does not overwrite the reading
+    (measured: without them, 150 steps at lr 3e-3 took lookup6 from 1.00 to 0.16 and the hop from 0.52 to
+    0.00). Random content: no task knowledge."""
     import pretrain
-    weights = {r: w for r, w in pretrain.PHASES[-1][2].items() if pretrain.RUNGS[r]}
+    weights = {r: w for r, w in pretrain.stages(pretrain.Args())[-1][1].items() if pretrain.RUNGS[r]}
     rungs = rng.choices(list(weights), weights=list(weights.values()), k=n)
     return [(it.tokens, it.mask) for it in (getattr(data, r)() for r in rungs)]
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rewards import (actor_advantages, cumulative_gain, cumulative_reward, gae, group_advantages,
-                     mean_reversion_corr, normalized_score, stream_metrics,
+                     mean_reversion_corr, normalized_score, past_baseline, stream_metrics,
                      writer_format_ok, writer_reward_gated, writer_rewards, writer_rewards_gated,
                      writer_windows)
 
@@ -112,6 +112,43 @@ def test_mean_reversion_bias():
     assert mean_reversion_corr([1.0, 2.0, 3.0], [3.0, 2.0, 1.0]) == pytest.approx(-1.0)
     assert math.isnan(mean_reversion_corr([1.0], [2.0]))
     assert math.isnan(mean_reversion_corr([1.0, 2.0], [5.0, 5.0]))
+
+
+def test_the_past_baseline_removes_the_lucky_past_and_keeps_the_signal():
+    """By hand: in a group whose rewards are -past (pure mean reversion) the baseline leaves them equal;
+    a group of equal rewards stays equal (still dropped); the logged reward is never touched. Then a
+    simulation of writer groups, in which what the memory is worth to the next window (+0.2) is buried
+    under the past window's luck: with the baseline the advantage tells good memories from bad far better,
+    and on average the good memories' advantage is positive either way (the baseline adds no bias)."""
+    pasts = [0.2, 0.6, 0.1, 0.4, 0.5, 0.3, 0.9, 0.7, 0.8, 0.1, 0.3, 0.9, 0.3, 0.9]
+    rewards, groups = [-p for p in pasts[:12]] + [0.0, 0.0], ["a"] * 4 + ["b"] * 4 + ["c"] * 4 + ["d"] * 2
+    adjusted, slope = past_baseline(rewards, pasts, groups)
+    assert slope == pytest.approx(-1.0)
+    for g in "abc":
+        assert max(a for a, i in zip(adjusted, groups) if i == g) == pytest.approx(min(a for a, i in zip(adjusted, groups) if i == g))
+    assert adjusted[12:] == [0.0, 0.0] and rewards[12:] == [0.0, 0.0] and rewards[0] == -0.2
+    assert past_baseline(rewards[:4], pasts[:4], groups[:4])[1] == 0.0      # 3 degrees of freedom: too few to fit
+    assert past_baseline([0.1, 0.3], [0.5, 0.5], ["a", "a"]) == ([0.1, 0.3], 0.0)   # no spread in past
+
+    rng = random.Random(0)
+    good, pasts, rewards, gids = [], [], [], []
+    for g in range(40):                     # one RL step's batch: 40 groups of 4 copies, the slope pooled
+        for _ in range(4):
+            q, p = rng.random() < 0.5, rng.gauss(0.5, 0.3)
+            good.append(q), pasts.append(p), gids.append(g)
+            rewards.append(0.5 + 0.2 * q + rng.gauss(0, 0.05) - p + 0.1)
+    adjusted, slope = past_baseline(rewards, pasts, gids)
+    assert -1.1 < slope < -0.8
+    rows = {}
+    for name, rs in (("group", rewards), ("past", adjusted)):
+        adv, keep = group_advantages(rs, gids)
+        rows[name] = [(a, q) for a, q, k in zip(adv, good, keep) if k]
+
+    def separation(pairs):          # mean advantage of good minus bad memories
+        good = [a for a, q in pairs if q]
+        bad = [a for a, q in pairs if not q]
+        return sum(good) / len(good) - sum(bad) / len(bad)
+    assert separation(rows["past"]) > 2 * separation(rows["group"]) > 0
 
 
 # ---------------------------------------------------------------------------------------------

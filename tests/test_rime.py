@@ -2,6 +2,7 @@
 expert data (issue: warm start)."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -282,9 +283,15 @@ def test_ablation_switches_change_what_they_say():
             w.memory = f"### Repository Knowledge\n- fact {c}\n- fact two\n\n### Lessons & Pitfalls\n- l {w.raw[:3]!r}\n- m"
             w.status = "ok"      # a complete reply (the tiny model's own replies hit the memory cap)
     actor2, writer2, parts2 = rime.rl_rows(outs, groups_of, args2, rollout.WRITER_SYSTEM)
-    # shared writer: trainable memories (all but each stream's last) give writer rows
-    assert parts2["writer_rows"] > 0 and len(writer2) == parts2["writer_rows"]
+    # one group of two copies: too few points to fit the past baseline's slope (rewards.MIN_DOF), so 0
+    assert parts2["past_slope"] == 0.0
+    group = rime.parse_args(["--model", "tiny", "--writer-baseline", "group"])
+    actor2, writer2, parts2 = rime.rl_rows(outs, groups_of, group, rollout.WRITER_SYSTEM)
+    # GRPO's baseline alone: trainable memories (all but each stream's last) give writer rows
+    assert parts2["writer_rows"] > 0 and len(writer2) == parts2["writer_rows"] and math.isnan(parts2["past_slope"])
     assert parts2["explore"] == pytest.approx(0.5)
+    # the reward logged is the same under either baseline (the baseline changes advantages only)
+    assert rime.rl_rows(outs, groups_of, args2, rollout.WRITER_SYSTEM)[2]["writer_reward"] == parts2["writer_reward"]
 
 
 def test_writer_temperature_samples_the_writer_apart():
@@ -626,8 +633,8 @@ def test_protocol_actor_is_deterministic_valid_and_acts_on_its_notes():
 
 
 def test_warm_start_rehearses_the_readers_rungs(monkeypatch):
-    """--warmstart-reading 0.5: half of every warm-start batch is pretrain.py's acting-phase rows (random
-    words, the rungs the tasks use), so imitating the protocol cannot silently overwrite the reading; the
+    """--warmstart-reading 0.5: half of every warm-start batch is the rows of pretrain.py's last stage (random
+    words, the rungs the tasks use, the inference among them), so imitating the protocol cannot silently overwrite the reading; the
     rows carry a loss on their answers only. small's default is 0.4 (4 rows of 10), every other model's 0."""
     import random
     import types
@@ -639,6 +646,8 @@ def test_warm_start_rehearses_the_readers_rungs(monkeypatch):
     assert len(rows) == 12 and all(0 < sum(m) < len(t) and len(m) == len(t) for t, m in rows)
     answers = [tok.decode([x for x, m in zip(t, mk) if m]) for t, mk in rows]
     assert any("<action>apply " in a for a in answers) and any("<action>" not in a for a in answers)
+    import alchemy                       # the inference stage's rung is rehearsed too: " large purple pointy"
+    assert any(len(a.split()) == 3 and all(w in sum(alchemy.FEATURES, ()) for w in a.split()) for a in answers)
     monkeypatch.setattr(warmstart, "held_out_check", lambda *a, **k: dict(validity=0.0, score=0.0, writer_ok=0.0, agreement=0.0))
     monkeypatch.setattr(warmstart, "warmstart_rows", lambda *a, **k: [([1, 2, 3], [0, 1, 1])] * 20)
     sizes = []
