@@ -130,6 +130,7 @@ RIME_ABLATIONS = [
     ("--writer decoupled", ["--writer", "decoupled"], "below full (shared weights win)"),
     ("--order shuffled", ["--order", "shuffled"], "below full"),
     ("--segment 6 (6+6)", ["--segment", "6"], "above 3+3 (the paper: 6+6 beats 3+3)"),
+    ("--writer-baseline group", ["--writer-baseline", "group"], "below full (ours: the past window's luck stays in)"),
 ]
 
 

@@ -177,6 +177,18 @@ def test_bad_values_are_one_line_errors(bad, msg, capsys):
     assert e.value.code == 2 and err.startswith("rime.py: error: ") and msg in err and err.count("\n") == 1
 
 
+def test_eval_streams_default_to_what_resolves_an_rl_effect():
+    """--eval-streams auto: 64 on Alchemy (the 16 of earlier defaults are their first 16), 16 on Codebase,
+    the smoke model's 2; an explicit value wins everywhere."""
+    assert rime.parse_args([]).eval_streams == 64 and rime.parse_args(["--preset", "paper"]).eval_streams == 64
+    assert rime.parse_args(["--env", "codebase", "--warmstart-steps", "0"]).eval_streams == 16
+    assert rime.parse_args(["--model", "tiny"]).eval_streams == 2
+    assert rime.parse_args(["--eval-streams", "16"]).eval_streams == 16
+    env = rime.make_env(rime.parse_args([]))
+    wide, narrow = (rime.eval_streams(env, rime.parse_args(a)) for a in ([], ["--eval-streams", "16"]))
+    assert [[t.id for t in s] for s in wide[:16]] == [[t.id for t in s] for s in narrow]
+
+
 def test_old_flag_spellings_still_parse():
     a = rime.parse_args(["--run_dir", "x", "--resume", "false", "--no_explore", "true"])
     assert a.run_dir == "x" and a.resume is False and a.no_explore is True
