@@ -42,15 +42,19 @@ def choose(variants: list, only: str, seeds: int, prog: str) -> list:
     return chosen
 
 
-def run_all(program: str, runs: list, root: Path, extra: list, prog: str, jobs: int = 1) -> tuple[dict, list]:
+def run_all(program: str, runs: list, root: Path, extra: list, prog: str, jobs: int = 1,
+            start: bool = True) -> tuple[dict, list]:
     """runs: [(run name, flags, seed)] -> ({(run, seed): summary}, [one-line failure messages]).
-    Finished runs are read, not redone; `jobs` runs go at once (each a process of its own)."""
+    Finished runs are read, not redone; `jobs` runs go at once (each a process of its own). start=False
+    (--table-only) starts none: the unfinished ones are left out of the table."""
     from concurrent.futures import ThreadPoolExecutor
 
     def one(item):
         run, fl, seed = item
         run_dir = root / run / f"seed{seed}"
         summary, log_path = run_dir / "summary.json", root / run / f"seed{seed}.log"
+        if not summary.exists() and not start:
+            return None, None
         if not summary.exists():
             run_dir.parent.mkdir(parents=True, exist_ok=True)
             with open(log_path, "a") as log:
@@ -68,7 +72,7 @@ def run_all(program: str, runs: list, root: Path, extra: list, prog: str, jobs: 
             if failure:
                 failures.append(failure)
                 tqdm.write(f"{prog}: error: {failure}", file=sys.stderr)
-            else:
+            elif summary is not None:
                 summaries[(run, seed)] = summary
             bar.update(1)
     return summaries, failures
@@ -144,10 +148,12 @@ def rime_ablations(args: list) -> None:
     every variant then starts RL from its weights (`--init-from <it>/final`) and reuses
     its before-RL evaluation of those very weights (`--before-from`). --no-share-warmstart gives each
     variant its own warm start (same seed, so the same weights, at 7x the cost).
-        python bench.py ablations [--seeds 3] [--jobs 2] [--only "full RIME,--no-explore"] [--results results/ablations]"""
+        python bench.py ablations [--seeds 3] [--jobs 2] [--only "full RIME,--no-explore"] [--results results/ablations]
+    --table-only writes the table of the runs already finished and starts none (a bench stopped midway)."""
     prog = "bench.py ablations"
     own, extra = split_extra(args)
-    a = flags(own, prog, seeds=3, results="results/ablations", only="", jobs=1, no_share_warmstart=False)
+    a = flags(own, prog, seeds=3, results="results/ablations", only="", jobs=1, no_share_warmstart=False,
+              table_only=False)
     chosen = choose(RIME_ABLATIONS, a.only, a.seeds, prog)
     run_of = {name: name.split(" (")[0].strip("-").replace(" ", "_") for name, _, _ in chosen}
     root = Path(a.results)
@@ -156,14 +162,14 @@ def rime_ablations(args: list) -> None:
     failures = []
     if not a.no_share_warmstart:
         warm, failures = run_all("rime", [("_warmstart", extra + ["--steps", "0"] + threads, s) for s in range(a.seeds)],
-                                 root, [], prog, jobs=a.jobs)
+                                 root, [], prog, jobs=a.jobs, start=not a.table_only)
         for s in range(a.seeds):
             d = root / "_warmstart" / f"seed{s}"
             start[s] = ["--init-from", str(d / "final"), "--before-from", str(d)] if ("_warmstart", s) in warm else None
     # the shared start goes after the extra flags: it must win over an --init-from among them
     runs = [(run_of[n], fl + extra + start[s] + threads, s) for n, fl, _ in chosen for s in range(a.seeds)
             if start[s] is not None]
-    summaries, more = run_all("rime", runs, root, [], prog, jobs=a.jobs)
+    summaries, more = run_all("rime", runs, root, [], prog, jobs=a.jobs, start=not a.table_only)
     failures += more
     results = {n: [summaries[(run_of[n], s)]["rl_effect"] for s in range(a.seeds) if (run_of[n], s) in summaries]
                for n, _, _ in chosen}
@@ -211,11 +217,11 @@ def camg_ablations(args: list) -> None:
     held-out success after RL (average over the environments, %), of the RL effect (after minus before,
     points) and of the difference to the full runs of the same seeds, beside the paper's published
     average and direction (each labelled by its source). Extra flags after `--` go to every run.
-        python bench.py camg-ablations [--seeds 3] [--only "full,continuation-only training"]
+        python bench.py camg-ablations [--seeds 3] [--only "full,continuation-only training"] [--table-only]
             [--results results/camg_ablations]"""
     prog = "bench.py camg-ablations"
     own, extra = split_extra(args)
-    a = flags(own, prog, seeds=3, results="results/camg_ablations", only="")
+    a = flags(own, prog, seeds=3, results="results/camg_ablations", only="", table_only=False)
     chosen = choose(CAMG_ABLATIONS, a.only, a.seeds, prog)
     runs = {}
     for v in chosen:                        # every run dir once: "blank" reads the full runs
@@ -223,7 +229,7 @@ def camg_ablations(args: list) -> None:
         runs.setdefault(v[1], fl)
     root = Path(a.results)
     summaries, failures = run_all("camg", [(run, CAMG_BASE + fl, s) for run, fl in runs.items() for s in range(a.seeds)],
-                                  root, extra, prog)
+                                  root, extra, prog, start=not a.table_only)
     figures = {name: {s: camg_figures(summaries[(run, s)], mode) for s in range(a.seeds) if (run, s) in summaries}
                for name, run, _, mode, _, _ in chosen}
     full = {s: camg_figures(summaries[("full", s)], "full")[0] for s in range(a.seeds) if ("full", s) in summaries}

@@ -84,9 +84,13 @@ from rollout import run_episodes
 # config: one dataclass, every field a flag (--name value)
 
 
+LAPTOP_MODELS = ("small", "reader")    # the laptop models: camg_reader.py's BPE, its ladder reads them
+
+
 @dataclass
 class Config:
-    model: str = "small"            # small (1.9M qwen3, BPE on the envs' text) | tiny (~1M random qwen3) |
+    model: str = "small"            # small (1.9M qwen3, BPE on the envs' text) | reader (small after camg_reader.py's
+                                    # reading pretraining) | tiny (~1M random qwen3) |
                                     # tiny-<arch> (qwen3 / qwen3_5 / llama) | smollm2 | an HF dir
     run_dir: str = "runs/camg"      # config, metrics, episodes, checkpoint, eval, summary
     resume: bool = True             # resume from run_dir/ckpt when it exists (--no-resume: start over)
@@ -122,10 +126,12 @@ class Config:
     clip_ratio_c: float = 0.0       # dual-clip bound for negative advantages (0 = off; verl uses 3.0)
     mask_memory_actions: bool = False  # ablation: no gradient through actions that write or read memory files
     micro_batch_tokens: int = 4096  # padded tokens per learner forward
-    warmstart_steps: int = -1       # max imitation steps before RL; -1 = auto (150 for small, 0 otherwise)
+    warmstart_steps: int = -1       # max imitation steps before RL; -1 = auto (150 for small / reader, 0 otherwise)
     warmstart_threshold: float = 0.9   # held-out format validity that ends (or skips) the warm start
-    warmstart_lr: float = 5e-3
+    warmstart_lr: float = 5e-3      # the first imitation step's; it decays linearly towards 0 at --warmstart-steps
     warmstart_batch: int = 4        # rows per imitation step
+    warmstart_reading: float = -1   # share of each warm-start batch that rehearses camg_reader.py's rungs
+                                    # (added to the rows above); -1 = auto (0.5 for reader, 0 otherwise)
     warmstart_tasks: int = 24       # train tasks per env whose reference trajectories are imitated
     eval_tasks: int = 16            # test tasks per environment (the paper: 128); 0 = no evaluation
     eval_stream_len: int = 1        # tasks per evaluation stream (memory carries along a stream)
@@ -173,10 +179,15 @@ class Config:
               f"--device must be cpu, cuda or cuda:N (empty = cuda if available), got {self.device!r}")
         check(not self.device.startswith("cuda") or torch.cuda.is_available(),
               f"--device {self.device}: no CUDA device on this machine")
-        if not self.model.startswith(("tiny", "smollm2", "small")):
+        if not self.model.startswith(("tiny", "smollm2", "small")) and self.model != "reader":
             cli.check_model_dir(self.model)
         if self.warmstart_steps == -1:
-            self.warmstart_steps = 150 if self.model == "small" else 0
+            self.warmstart_steps = 150 if self.model in LAPTOP_MODELS else 0
+        if self.warmstart_reading == -1:
+            self.warmstart_reading = 0.5 if self.model == "reader" else 0.0
+        check(0 <= self.warmstart_reading < 1, f"--warmstart-reading must be in [0, 1) or -1 (auto), got {self.warmstart_reading}")
+        check(self.warmstart_reading == 0 or self.model in LAPTOP_MODELS,
+              f"--warmstart-reading rehearses camg_reader.py's rungs in its BPE: --model small or reader, not {self.model}")
 
 
 def parse_weights(text: str) -> dict:
@@ -209,7 +220,7 @@ def cpu_threads(cfg: Config, num_procs: int) -> int:
     """torch threads per process on a CPU: the cores shared out, but 1 for a tiny or small model, whose
     small matmuls gain nothing from intra-op threads (they cost ~4x on a busy 2-core machine)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return 1 if cfg.model.startswith(("tiny", "small")) else max(1, cores // num_procs)
+    return 1 if cfg.model.startswith("tiny") or cfg.model in LAPTOP_MODELS else max(1, cores // num_procs)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -287,10 +298,28 @@ def format_validity(cfg: Config, model, tokenizer, make_env, turns: int = 6) -> 
 WARMSTART_CHECK_EVERY = 25        # imitation steps between two held-out format-validity checks
 
 
+def reading_rows(cfg: Config, tokenizer):
+    """n -> n rows of camg_reader.py's last phase (its rungs the tasks use, random words): the reading
+    rehearsed in each warm-start batch. Imitation alone erases a reader's reading (measured on RIME's:
+    lookups 1.00 -> 0.16 in 150 steps; with half of each batch rehearsal 0.69-0.89, docs/reader.md)."""
+    import camg_reader
+    data = camg_reader.Data(tokenizer, cfg.seed + 31_337)
+    mix = {r: w for r, w in camg_reader.PHASES[-1][2].items() if camg_reader.RUNGS[r]}
+    return lambda n: [(it.tokens, it.mask) for it in
+                      (getattr(data, r)() for r in data.rng.choices(list(mix), weights=list(mix.values()), k=n))]
+
+
+def warmstart_lr_at(cfg: Config, step: int) -> float:
+    """The imitation lr at step 1..warmstart_steps: linear from warmstart_lr towards 0 (RIME's warm start
+    measured the decay keeping more of the reading than a constant lr, docs/reader.md)."""
+    return cfg.warmstart_lr * (1 - (step - 1) / cfg.warmstart_steps)
+
+
 def warm_start(cfg: Config, learner: Learner, tokenizer, make_env, log) -> dict:
     """Imitation of the reference trajectories with ppo's sft loss in the RL learner itself, until held-out
     format validity reaches cfg.warmstart_threshold (checked every WARMSTART_CHECK_EVERY steps); skipped when the model
-    already follows the protocol. log(dict) gets a line per check."""
+    already follows the protocol. The lr decays (warmstart_lr_at); with --warmstart-reading each batch also
+    rehearses the reader's rungs. log(dict) gets a line per check."""
     before = format_validity(cfg, learner.gen_model, tokenizer, make_env)
     log({"step": 0, "validity": before})
     if before >= cfg.warmstart_threshold:
@@ -299,11 +328,13 @@ def warm_start(cfg: Config, learner: Learner, tokenizer, make_env, log) -> dict:
     rows = warmstart_rows(cfg, tokenizer, make_env)
     print0(f"warm start: {len(rows)} rows, {sum(len(r[0]) for r in rows)} tokens; validity {before:.2f}")
     rng, validity, step = random.Random(cfg.seed), before, 0
-    for g in learner.optimizer.param_groups:
-        g["lr"] = cfg.warmstart_lr
+    rehearse = reading_rows(cfg, tokenizer) if cfg.warmstart_reading else None
+    extra = round(cfg.warmstart_batch * cfg.warmstart_reading / (1 - cfg.warmstart_reading))
     bar = tqdm(range(1, cfg.warmstart_steps + 1), desc="warm start", disable=not learner.d.is_main)
     for step in bar:
-        batch = rng.sample(rows, min(cfg.warmstart_batch, len(rows)))
+        for g in learner.optimizer.param_groups:
+            g["lr"] = warmstart_lr_at(cfg, step)
+        batch = rng.sample(rows, min(cfg.warmstart_batch, len(rows))) + (rehearse(extra) if rehearse else [])
         stats = learner.update(make_batch([r[0] for r in batch], [[0] * len(r[1]) for r in batch],
                                           sft_mask=[r[1] for r in batch]))
         bar.set_postfix(sft=f"{stats.get('sft_loss', 0):.3f}")
@@ -435,7 +466,12 @@ def setup(cfg: Config, d: Dist, make_env) -> Run:
                 (run_dir / name).unlink(missing_ok=True)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
-    model, tokenizer = build_model(cfg.model, d.device, cfg.seed)
+    if cfg.model == "reader":       # the pretrained reader (camg_reader.py: built once, then cached)
+        import camg_reader
+        model, tokenizer = camg_reader.load()
+        model.to(d.device)
+    else:
+        model, tokenizer = build_model(cfg.model, d.device, cfg.seed)
     learner = Learner(model, ref_model=copy.deepcopy(model) if cfg.kl_coef > 0 else None, value_head=True,
                       lr=cfg.lr, weight_decay=cfg.weight_decay, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                       kl_coef=cfg.kl_coef, entropy_coef=cfg.entropy_coef, vf_coef=cfg.vf_coef, max_lag=cfg.eta,
@@ -453,11 +489,28 @@ def setup(cfg: Config, d: Dist, make_env) -> Run:
     return Run(cfg, d, make_env, learner, tokenizer, ex, step, resuming)
 
 
+def log_ladder(run: Run, when: str) -> None:
+    """The reading ladder (camg_reader.py --check) of the policy now, in metrics.jsonl and printed: 64
+    held-out items a rung, beside chance. Which rung fails says which copy a relay episode cannot make."""
+    import camg_reader
+    import pretrain
+    ladder = pretrain.ladder(run.learner.gen_model, run.tokenizer, num_items=64, course=camg_reader.COURSE)
+    run.append("metrics.jsonl", {"phase": "ladder", "when": when, **{k: v["accuracy"] for k, v in ladder.items()}})
+    print0(f"reading ladder {when} (64 held-out items per rung):\n"
+           + pretrain.ladder_table(ladder, 0.9, camg_reader.COURSE))
+
+
 def warm_start_phase(run: Run) -> None:
-    """Before RL (not when resuming: the checkpoint has it): the imitation warm start, logged to warmstart.jsonl."""
+    """Before RL (not when resuming: the checkpoint has it): the imitation warm start, logged to
+    warmstart.jsonl, with the reading ladder before and after it (the laptop models)."""
     if run.training and not run.resuming and run.cfg.warmstart_steps:
+        ladder = run.d.is_main and run.cfg.model in LAPTOP_MODELS
+        if ladder:
+            log_ladder(run, "before the warm start")
         out = warm_start(run.cfg, run.learner, run.tokenizer, run.make_env, lambda r: run.append("warmstart.jsonl", r))
         run.append("warmstart.jsonl", {"final": True, **out})
+        if ladder:
+            log_ladder(run, "after the warm start")
 
 
 def run_eval(run: Run, label: str, modes: list[str]) -> dict:

@@ -69,8 +69,10 @@ def small_tokenizer():
 def build_model(name: str, device, seed: int):
     """model.load_named, plus camg's names: "tiny" is a random qwen3 (the fastest tiny on a CPU), and
     "small" a 1.9M qwen3 whose BPE is trained on the environments' text (observations take ~half the
-    tokens), big enough to learn the relay protocol by imitation in minutes on 2 cores."""
-    if name == "small":
+    tokens), big enough to learn the relay protocol by imitation in minutes on 2 cores. "reader" is
+    "small" after camg_reader.py's reading pretraining: camg.py's learner loads it (camg_reader.load),
+    and a rollout worker builds this shape and waits for the learner's weights."""
+    if name in ("small", "reader"):     # "reader" here: a rollout worker's copy, the learner's weights come later
         tok = small_tokenizer()
         model, tokenizer = tiny("qwen3", seed=seed, tokenizer=tok, hidden_size=192, num_layers=4,
                                 intermediate_size=512, max_seq_len=8192)

@@ -43,6 +43,9 @@ The reader is a directory in Hugging Face format. `reader_dir()` is the shipped 
 <recipe hash>), built on first use with a progress bar and ETA, checkpointed every 100 steps (a killed
 build resumes). metrics.jsonl and ladder.json sit beside the weights.
 
+The loop, the ladder and the cache serve any `Course` (a model, a data class with one method per rung, a
+curriculum): READER is this file's; camg_reader.py defines camg.py's reader with the same machinery.
+
 Simplified on purpose: one fixed curriculum (phase weights below), Alchemy's words only in the hop rung's
 template and the infer rung's feature pairs; no packing (rows of one step are sorted by length into micro-batches instead).
 """
@@ -107,9 +110,12 @@ class Args:
         cli.check(self.threads >= 0, f"--threads must be >= 0, got {self.threads}")
 
 
-def recipe(args: Args) -> dict:
+def recipe(args: Args, course=None) -> dict:
     """What decides the weights: the data version, the model's shape and the optimiser's settings (as
     JSON reads them back, so a stored recipe compares equal)."""
+    course = course or READER
+    if course is not READER:
+        return json.loads(json.dumps(course.recipe(args)))
     return json.loads(json.dumps({"version": RECIPE_VERSION, "model": MODEL_SHAPE, "vocab": VOCAB_SIZE,
                                   "steps": args.steps, "batch": args.batch, "lr": args.lr, "seed": args.seed,
                                   "anneal_steps": args.anneal_steps, "anneal_lr": args.anneal_lr,
@@ -119,8 +125,8 @@ def recipe(args: Args) -> dict:
                                   "pool": POOL, "task_words": TASK_WORDS}))
 
 
-def recipe_key(args: Args) -> str:
-    return hashlib.sha256(json.dumps(recipe(args), sort_keys=True).encode()).hexdigest()[:12]
+def recipe_key(args: Args, course=None) -> str:
+    return hashlib.sha256(json.dumps(recipe(args, course), sort_keys=True).encode()).hexdigest()[:12]
 
 
 # -----------------------------------------------------------------------------
@@ -478,6 +484,34 @@ FEATURE_WORDS = set(TASK_WORDS[:6])   # the feature pairs' words: the infer rung
 GATE_EVERY = 50
 
 
+@dataclass(frozen=True)
+class Course:
+    """What one reader is taught: its model, its data (one method per rung) and its curriculum. READER is
+    rime.py's (Alchemy's words, the constants above); camg_reader.COURSE is camg.py's (random spans of
+    CAMG's BPE). Every function below takes a course; none given means READER."""
+    name: str                   # the cache's folder: $RIME_CACHE/<name>/<recipe hash>
+    shipped: Path               # the copy in the repository, used when its recipe.json is this recipe
+    new_model: object           # seed -> (model, tokenizer) with random weights
+    data: type                  # the item generator: Data or a subclass
+    rungs: dict                 # rung -> used by the tasks (the ladder's target applies), curriculum order
+    phases: list                # the curriculum (PHASES' shape)
+    pool: int                   # words the rungs draw from (0: the data's whole pool)
+    args: type = None           # its Args (the defaults are the shipped recipe); None: Args
+    recipe: object = None       # args -> the recipe dict (READER's is recipe() above)
+    stages: object = None       # args -> [(name, {rung: weight}, steps, item seed)] after the curriculum
+    stage_only: frozenset = frozenset()
+    base_stages: tuple = ()     # ((recipe version, stages a finished reader of it has), ...)
+
+    def __post_init__(self):
+        object.__setattr__(self, "args", self.args or Args)
+        object.__setattr__(self, "base_stages", dict(self.base_stages))
+
+
+# rime.py's reader; a finished recipe-9 reader has the curriculum and the cool-down (--base builds on it)
+READER = Course("reader", SHIPPED, new_model, Data, RUNGS, PHASES, POOL, stage_only=frozenset(STAGE_ONLY),
+                base_stages=((9, 1),))
+
+
 # -----------------------------------------------------------------------------
 # training
 
@@ -541,10 +575,12 @@ INFER_SEED = 7_777          # + --seed: the inference stage's items
 INFER_WEIGHT = 0.7          # the infer rung's share of the inference stage's items (the rest: the cool-down's mix)
 
 
-def stages(args: Args) -> list:
+def stages(args: Args, course=None) -> list:
     """The stages after the curriculum, each a fresh AdamW with anneal_lr_at's lr on a fixed mix of items:
     (name, {rung: weight}, steps, item seed). The cool-down settles the curriculum's last phase; the
     inference stage adds the infer rung (recipe 10) while rehearsing that mix."""
+    if course is not None and course is not READER:
+        return course.stages(args)
     last = PHASES[-1][2]
     mix = {**{r: w * (1 - INFER_WEIGHT) for r, w in last.items()}, "infer": INFER_WEIGHT}
     return [("cool-down", last, args.anneal_steps, ANNEAL_SEED), ("infer", mix, args.infer_steps, INFER_SEED)]
@@ -554,16 +590,18 @@ VALIDATION_SEED = 20_011    # the gate checks' items: neither the training strea
 
 
 @torch.no_grad()
-def ladder(model, tokenizer, num_items: int = 200, seed: int = 10_007, rungs=None, pool: int = POOL) -> dict:
+def ladder(model, tokenizer, num_items: int = 200, seed: int = 10_007, rungs=None, pool: int = None,
+           course=None) -> dict:
     """Exact-match accuracy per rung on held-out random items (their own RNG; every word of the pool
     unless `pool` says fewer), teacher-forced: every answer token is the argmax given the ones before,
     which is what greedy decoding would write."""
     was = model.training
     model.eval()
-    data = Data(tokenizer, seed)
-    data.use_pool(pool)
+    course = course or READER
+    data = course.data(tokenizer, seed)
+    data.use_pool(course.pool if pool is None else pool)
     out = {}
-    for rung in rungs or RUNGS:
+    for rung in rungs or course.rungs:
         items = [getattr(data, rung)() for _ in range(num_items)]
         hits = []
         for mb in micro_batches(items, 8192):
@@ -572,20 +610,21 @@ def ladder(model, tokenizer, num_items: int = 200, seed: int = 10_007, rungs=Non
             right = (pred[:, :-1] == x[:, 1:]) | ~m[:, :-1]
             hits += right.all(dim=1).tolist()
         out[rung] = {"accuracy": sum(hits) / len(hits), "chance": sum(it.chance for it in items) / len(items),
-                     "used": RUNGS[rung], "items": len(items)}
+                     "used": course.rungs[rung], "items": len(items)}
     model.train(was)
     return out
 
 
-def with_all_words(model, tokenizer, result: dict, num_items: int = 64) -> dict:
+def with_all_words(model, tokenizer, result: dict, num_items: int = 64, course=None) -> dict:
     """result, each rung also measured over the whole word pool ("all_words"): words the reader never
     trained on, i.e. how general its reading is beyond the pool."""
-    wide = ladder(model, tokenizer, num_items, seed=30_011, rungs=list(result), pool=0)
+    wide = ladder(model, tokenizer, num_items, seed=30_011, rungs=list(result), pool=0, course=course)
     return {r: {**v, "all_words": wide[r]["accuracy"]} for r, v in result.items()}
 
 
-def ladder_table(result: dict, target: float) -> str:
-    lines = [f"| rung | accuracy ({POOL}-word pool) | chance | used by the tasks | >= target | all words |",
+def ladder_table(result: dict, target: float, course=None) -> str:
+    pool = (course or READER).pool
+    lines = [f"| rung | accuracy ({f'{pool}-word pool' if pool else 'held out'}) | chance | used by the tasks | >= target | all words |",
              "|---|---|---|---|---|---|"]
     for rung, r in result.items():
         ok = "yes" if r["accuracy"] >= target else ("no" if r["used"] else "-")
@@ -598,17 +637,19 @@ def ladder_passes(result: dict, target: float) -> bool:
     return all(r["accuracy"] >= target for r in result.values() if r["used"])
 
 
-def build(args: Args, out: Path) -> Path:
+def build(args: Args, out: Path, course=None) -> Path:
     """Train the reader into `out` (HF format + recipe.json + ladder.json + metrics.jsonl): the curriculum,
     then the stages (the cool-down, the inference stage). A killed build resumes from out/partial.pt (every
     --checkpoint-every steps); with --base, the build starts from that reader at the first stage it lacks."""
     from model import save
+    course = course or READER
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     out.mkdir(parents=True, exist_ok=True)
-    model, tok = new_model(args.seed)
+    model, tok = course.new_model(args.seed)
     opt = new_optimizer(model, args.lr)
-    partial, start, current, cool = out / "partial.pt", 0, 0, None     # current: index into PHASES
-    data = Data(tok, args.seed)
+    partial, start, current, cool = out / "partial.pt", 0, 0, None     # current: index into the phases
+    data = course.data(tok, args.seed)
+    plan = stages(args, course)
     if partial.exists():
         state = torch.load(partial, weights_only=False)
         model.load_state_dict(state["model"])
@@ -616,57 +657,55 @@ def build(args: Args, out: Path) -> Path:
         if cool is None:                         # still in the curriculum
             opt.load_state_dict(state["opt"])
             data.rng.setstate(state["rng"])
-        where = stages(args)[cool.get("stage", 0)][0] if cool else PHASES[current][0]
+        where = plan[cool.get("stage", 0)][0] if cool else course.phases[current][0]
         print(f"pretrain: resuming {out} at step {start} ({where})")
         if (out / "metrics.jsonl").exists():     # drop the rows of the steps after the checkpoint: they rerun
             rows = [r for r in (out / "metrics.jsonl").read_text().splitlines() if json.loads(r)["step"] <= start]
             (out / "metrics.jsonl").write_text("".join(r + "\n" for r in rows))
     elif args.base:
-        model, tok, start, current, cool = from_base(args, out)
+        model, tok, start, current, cool = from_base(args, out, course)
     else:
         print(f"pretrain: building the reader (at most {args.steps} + "
-              f"{' + '.join(str(n) for _, _, n, _ in stages(args))} steps, batch {args.batch}) into {out}; "
+              f"{' + '.join(str(n) for _, _, n, _ in plan)} steps, batch {args.batch}) into {out}; "
               "this runs once and is then reused")
     model.train()
     log = open(out / "metrics.jsonl", "a")
     if cool is None:
-        end = curriculum(model, opt, data, tok, args, log, partial, start, current)
+        end = curriculum(model, opt, data, tok, args, log, partial, start, current, course)
         cool, start = {"end": end, "stage": 0}, end
-    for k in range(cool.get("stage", 0), len(stages(args))):
-        anneal(model, tok, args, log, partial, cool, start, k)
-        start = cool["end"] + stages(args)[k][2]
+    for k in range(cool.get("stage", 0), len(plan)):
+        anneal(model, tok, args, log, partial, cool, start, k, course)
+        start = cool["end"] + plan[k][2]
         cool = {"end": start, "stage": k + 1}
     log.close()
-    result = with_all_words(model, tok, ladder(model, tok, args.eval_items))
+    result = with_all_words(model, tok, ladder(model, tok, args.eval_items, course=course), course=course)
     save(model, tok, out)
     (out / "ladder.json").write_text(json.dumps(result, indent=2))
-    (out / "recipe.json").write_text(json.dumps(recipe(args), indent=2))
+    (out / "recipe.json").write_text(json.dumps(recipe(args, course), indent=2))
     partial.unlink(missing_ok=True)
-    print(ladder_table(result, args.target))
+    print(ladder_table(result, args.target, course))
     return out
 
 
-BASE_STAGES = {9: 1}        # a finished reader of recipe N has the curriculum and this many stages
-
-
-def from_base(args: Args, out: Path):
+def from_base(args: Args, out: Path, course=None):
     """Start from --base, a finished reader of an earlier recipe whose curriculum and stages are this
     recipe's first ones (same model, data and settings; only later stages differ): its weights, tokenizer
     and metrics rows; the build goes on at the first stage it lacks."""
     from model import load, load_tokenizer
+    course = course or READER
     base = Path(args.base)
     stored = json.loads((base / "recipe.json").read_text())
-    done = BASE_STAGES.get(stored.get("version"))
-    mine = {k: v for k, v in recipe(args).items() if k in stored and k != "version"}
+    done = course.base_stages.get(stored.get("version"))
+    mine = {k: v for k, v in recipe(args, course).items() if k in stored and k != "version"}
     if done is None or stored != {**mine, "version": stored["version"]}:
         cli.fail("pretrain.py", f"--base {base}: its recipe is not this recipe's first stages "
-                 f"(version {stored.get('version')}, this file builds on {sorted(BASE_STAGES)})")
+                 f"(version {stored.get('version')}, this file builds on {sorted(course.base_stages)})")
     rows = (base / "metrics.jsonl").read_text().splitlines()
     (out / "metrics.jsonl").write_text("".join(r + "\n" for r in rows))
     end = json.loads(rows[-1])["step"]
     print(f"pretrain: starting from {base} (recipe {stored['version']}, step {end}): "
-          f"{', '.join(name for name, _, _, _ in stages(args)[done:])} to run")
-    return load(base), load_tokenizer(base), end, len(PHASES) - 1, {"end": end, "stage": done}
+          f"{', '.join(name for name, _, _, _ in stages(args, course)[done:])} to run")
+    return load(base), load_tokenizer(base), end, len(course.phases) - 1, {"end": end, "stage": done}
 
 
 def new_optimizer(model, lr: float):
@@ -684,13 +723,15 @@ def save_partial(partial: Path, **state) -> None:
     os.replace(tmp, partial)
 
 
-def curriculum(model, opt, data, tok, args: Args, log, partial: Path, start: int, current: int) -> int:
+def curriculum(model, opt, data, tok, args: Args, log, partial: Path, start: int, current: int, course=None) -> int:
     """The phases by mastery, from step `start` in phase `current`; returns the number of steps taken."""
     from tqdm import tqdm
+    course = course or READER
+    phases = course.phases
     bar = tqdm(range(start, args.steps), desc="pretrain (reading)", initial=start, total=args.steps)
     t0, done, step = time.time(), False, start - 1
     for step in bar:
-        name, pool, weights, share, gate = PHASES[current]
+        name, pool, weights, share, gate = phases[current]
         data.use_pool(pool)
         items = step_items(data, weights, max(1, int(args.batch * share)))
         for g in opt.param_groups:
@@ -700,13 +741,13 @@ def curriculum(model, opt, data, tok, args: Args, log, partial: Path, start: int
         row = {"step": step + 1, "phase": name, "loss": loss, "lr": lr_at(step, args), "s": time.time() - t0}
         if (step + 1) % GATE_EVERY == 0:
             # the gate: this phase's rungs (the last phase: every rung the tasks use) on validation items
-            bars = gate or {r: args.target for r, used in RUNGS.items() if used and r not in STAGE_ONLY}
-            row["gate"] = gate_check(model, tok, list(bars), pool)
+            bars = gate or {r: args.target for r, used in course.rungs.items() if used and r not in course.stage_only}
+            row["gate"] = gate_check(model, tok, list(bars), pool, course)
             bar.write(f"step {step + 1} ({name}): loss {loss:.3f}; " + ", ".join(f"{r} {a:.2f}" for r, a in row["gate"].items()))
             if all(row["gate"][r] >= b for r, b in bars.items()):
-                if current + 1 < len(PHASES):
+                if current + 1 < len(phases):
                     current += 1
-                    bar.write(f"step {step + 1}: phase {name} mastered, next: {PHASES[current][0]}")
+                    bar.write(f"step {step + 1}: phase {name} mastered, next: {phases[current][0]}")
                 else:
                     done = True
         log.write(json.dumps(row) + "\n")
@@ -721,29 +762,30 @@ def curriculum(model, opt, data, tok, args: Args, log, partial: Path, start: int
     return step + 1
 
 
-def gate_check(model, tok, rungs: list, pool: int) -> dict:
+def gate_check(model, tok, rungs: list, pool: int, course=None) -> dict:
     """Accuracy per rung on the 64 validation items of the gate checks."""
-    check = ladder(model, tok, 64, seed=VALIDATION_SEED, rungs=rungs, pool=pool)
+    check = ladder(model, tok, 64, seed=VALIDATION_SEED, rungs=rungs, pool=pool, course=course)
     return {r: c["accuracy"] for r, c in check.items()}
 
 
-def anneal(model, tok, args: Args, log, partial: Path, cool: dict, start: int, k: int) -> None:
+def anneal(model, tok, args: Args, log, partial: Path, cool: dict, start: int, k: int, course=None) -> None:
     """Stage k of stages(): its steps of its mix with a fresh AdamW whose lr decays to 0 (anneal_lr_at), on
     items of its own seed; `cool` holds the step where the stage began ("end") and, when resuming, its
     optimizer and data state. The curriculum runs at a constant lr (its length is decided by mastery), and
     its last checkpoints swing with that lr's noise; the decay settles them."""
     from tqdm import tqdm
-    name, weights, steps, seed = stages(args)[k]
-    pool, share = PHASES[-1][1], PHASES[-1][3]
+    course = course or READER
+    name, weights, steps, seed = stages(args, course)[k]
+    pool, share = course.phases[-1][1], course.phases[-1][3]
     opt = new_optimizer(model, args.anneal_lr)
-    data = Data(tok, args.seed + seed)
+    data = course.data(tok, args.seed + seed)
     data.use_pool(pool)
     if "opt" in cool:
         opt.load_state_dict(cool["opt"])
         data.rng.setstate(cool["rng"])
     end, first = cool["end"], start - cool["end"]
     # the cool-down watches the curriculum's rungs; a later stage also its own
-    watched = [r for r, used in RUNGS.items() if used and (r not in STAGE_ONLY or r in weights)]
+    watched = [r for r, used in course.rungs.items() if used and (r not in course.stage_only or r in weights)]
     bar = tqdm(range(first, steps), desc=f"pretrain ({name})", initial=first, total=steps)
     t0 = time.time()
     for i in bar:
@@ -755,71 +797,76 @@ def anneal(model, tok, args: Args, log, partial: Path, cool: dict, start: int, k
         bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.1e}")
         row = {"step": end + i + 1, "phase": name, "loss": loss, "lr": lr, "s": time.time() - t0}
         if (i + 1) % GATE_EVERY == 0:           # watched, not gated: a stage runs its steps
-            row["gate"] = gate_check(model, tok, watched, pool)
+            row["gate"] = gate_check(model, tok, watched, pool, course)
             bar.write(f"{name} step {i + 1}: loss {loss:.3f}; " + ", ".join(f"{r} {a:.2f}" for r, a in row["gate"].items()))
         log.write(json.dumps(row) + "\n")
         log.flush()
         if (end + i + 1) % args.checkpoint_every == 0 and i + 1 < steps:
-            save_partial(partial, model=model.state_dict(), step=end + i + 1, phase=len(PHASES) - 1,
+            save_partial(partial, model=model.state_dict(), step=end + i + 1, phase=len(course.phases) - 1,
                          cool={"end": end, "stage": k, "opt": opt.state_dict(), "rng": data.rng.getstate()})
     bar.close()
 
 
-def cache_dir(args: Args) -> Path:
-    return Path(os.environ.get("RIME_CACHE") or REPO / ".cache") / "reader" / recipe_key(args)
+def cache_dir(args: Args, course=None) -> Path:
+    course = course or READER
+    return Path(os.environ.get("RIME_CACHE") or REPO / ".cache") / course.name / recipe_key(args, course)
 
 
-def shipped_matches(args: Args) -> bool:
+def shipped_matches(args: Args, course=None) -> bool:
+    course = course or READER
     try:
-        return json.loads((SHIPPED / "recipe.json").read_text()) == recipe(args)
+        return json.loads((course.shipped / "recipe.json").read_text()) == recipe(args, course)
     except (OSError, ValueError):
         return False
 
 
-def reader_dir(args: Args = None, build_if_missing: bool = True) -> Path:
+def reader_dir(args: Args = None, build_if_missing: bool = True, course=None) -> Path:
     """The reader's HF directory: the shipped weights when their recipe is this file's, else the cache
     (built now if missing and build_if_missing)."""
-    args = args or Args()
-    if shipped_matches(args):
-        return SHIPPED
-    d = cache_dir(args)
+    course = course or READER
+    args = args or course.args()
+    if shipped_matches(args, course):
+        return course.shipped
+    d = cache_dir(args, course)
     if not (d / "recipe.json").exists() and build_if_missing:
-        build(args, d)
+        build(args, d, course)
     return d
 
 
-def load_reader(args: Args = None):
-    """(model, tokenizer) of the reader: rime.py's "small" model starts here."""
+def load_reader(args: Args = None, course=None):
+    """(model, tokenizer) of the reader: rime.py's "small" model starts here (camg.py's from
+    camg_reader.COURSE's)."""
     from model import load, load_tokenizer
-    d = reader_dir(args)
+    d = reader_dir(args, course=course)
     return load(d), load_tokenizer(d)
 
 
-def main(argv=None):
-    args = cli.parse(Args, argv, prog="pretrain.py", description=__doc__.split("\n\n")[0])
+def main(argv=None, course=None, prog: str = "pretrain.py", doc: str = None):
+    course = course or READER
+    args = cli.parse(course.args, argv, prog=prog, description=(doc or __doc__).split("\n\n")[0])
     if args.where:
-        print(reader_dir(args, build_if_missing=False))
+        print(reader_dir(args, build_if_missing=False, course=course))
         return
     if args.out:
         out = Path(args.out)
-        if (out / "recipe.json").exists() and json.loads((out / "recipe.json").read_text()) == recipe(args):
-            print(f"pretrain: {out} already holds this recipe's reader")
+        if (out / "recipe.json").exists() and json.loads((out / "recipe.json").read_text()) == recipe(args, course):
+            print(f"{prog}: {out} already holds this recipe's reader")
         else:
             if out.exists() and not (out / "partial.pt").exists():
                 shutil.rmtree(out)
-            build(args, out)
+            build(args, out, course)
         d = out
     else:
-        d = reader_dir(args)
+        d = reader_dir(args, course=course)
     if args.check:
         from model import load, load_tokenizer
         torch.set_num_threads(args.threads or os.cpu_count() or 1)
         model, tok = load(d), load_tokenizer(d)
-        result = with_all_words(model, tok, ladder(model, tok, args.eval_items))
+        result = with_all_words(model, tok, ladder(model, tok, args.eval_items, course=course), course=course)
         print(f"reading ladder of {d} ({args.eval_items} held-out items per rung, target {args.target}):")
-        print(ladder_table(result, args.target))
+        print(ladder_table(result, args.target, course))
         if not ladder_passes(result, args.target):
-            print("pretrain.py: a rung the tasks use is under the target", file=sys.stderr)
+            print(f"{prog}: a rung the tasks use is under the target", file=sys.stderr)
             sys.exit(1)
     else:
         print(d)

@@ -466,6 +466,12 @@ def _cut_observation(fmt, text, ended, room):
     return turn(lo)
 
 
+def reset_note(paths: list[str]) -> str:
+    """What a fresh context after a reset says after the task: read the file back first, and which files exist."""
+    return (f"Your context was reset. First read back what you saved: <action>shell: cat {CONTINUATION_PATH}</action>"
+            " Memory files: " + list_paths(paths))
+
+
 def _mechanical_reset(fmt, ep, env, system_prompt, max_new_tokens, context_budget):
     """Close the current context (kept as a training row) and open a fresh one holding the task
     and the memory file *paths*, never their contents. Samples nothing."""
@@ -476,9 +482,7 @@ def _mechanical_reset(fmt, ep, env, system_prompt, max_new_tokens, context_budge
     files = getattr(env, "memory_files", None)
     paths = sorted(files().keys()) if callable(files) else []
     paths = [safe_text(p if p.startswith(".agent_memory") else f".agent_memory/{p}") for p in paths] or [CONTINUATION_PATH]
-    note = (f"Your context was reset. First read back what you saved: <action>shell: cat {CONTINUATION_PATH}</action>"
-            " Memory files: " + list_paths(paths))
-    ep.tokens = fmt.prompt(system_prompt, first_user_turn(ep.observations[0], ep.memory) + "\n\n" + note)
+    ep.tokens = fmt.prompt(system_prompt, first_user_turn(ep.observations[0], ep.memory) + "\n\n" + reset_note(paths))
     ep.loss_mask = [0] * len(ep.tokens)
     ep.logprobs = [0.0] * len(ep.tokens)
     if len(ep.tokens) + max_new_tokens > context_budget:

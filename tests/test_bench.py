@@ -391,6 +391,13 @@ def test_ablations_table_trains_resumes_and_reports(tmp_path, capsys):
     logs = {p: p.stat().st_size for p in tmp_path.rglob("seed0.log")}
     bench.main(argv)
     assert {p: p.stat().st_size for p in tmp_path.rglob("seed0.log")} == logs, "finished runs are not rerun"
+    # --table-only: the table of what finished, with a variant and a seed that never ran left out, nothing started
+    capsys.readouterr()
+    bench.main(["ablations", "--seeds", "2", "--table-only", "--only", "full RIME,--writer frozen,--actor frozen",
+                "--results", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "| full RIME | 1 |" in out and "| --actor frozen | 0 |" in out
+    assert not (tmp_path / "actor_frozen").exists() and not (tmp_path / "_warmstart" / "seed1").exists()
     _one_line_error(capsys, lambda: bench.main(["ablations", "--only", "nothing"]), "--only names none")
 
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import camg
+import cli
 import camg_eval
 import camg_memory
 import camg_worker
@@ -486,6 +487,60 @@ def test_warm_start_skips_a_model_that_follows_the_protocol_and_stops_at_the_thr
     out = camg.warm_start(cfg, learner, tok, None, logged.append)
     assert out == {"validity_before": 0.0, "validity_after": 0.95, "steps": 2} and learner.version == 2
     assert logged[-1]["sft_loss"] > 0 and learner.optimizer.param_groups[0]["lr"] == cfg.lr
+
+
+def test_the_laptop_models_log_their_reading_ladder_around_the_warm_start(tmp_path, monkeypatch):
+    """--model small / reader: camg_reader.py's ladder is measured and logged before and after the warm
+    start (a rung at chance says which copy a relay episode cannot make); --model reader is "small" after
+    the reading pretraining and gets the same auto warm start."""
+    import pretrain
+    from ppo import Dist
+    assert tiny_cfg(tmp_path, model="reader").warmstart_steps == 150 == tiny_cfg(tmp_path, model="small").warmstart_steps
+    cfg = tiny_cfg(tmp_path, model="small", warmstart_steps=2)
+    model, tok = camg.build_model("small", "cpu", 0)
+    learner = Learner(model, value_head=True, lr=1e-3, gradient_checkpointing=False)
+    monkeypatch.setattr(camg, "warm_start", lambda *a: {"steps": 2})
+    seen = []
+
+    def ladder(model, tok, num_items=200, seed=0, rungs=None, pool=None, course=None):
+        seen.append(course)
+        return {r: {"accuracy": 0.5, "chance": 0.1, "used": u, "items": num_items} for r, u in course.rungs.items()}
+    monkeypatch.setattr(pretrain, "ladder", ladder)
+    Path(cfg.run_dir).mkdir(parents=True)
+    camg.warm_start_phase(camg.Run(cfg, Dist(device=torch.device("cpu")), None, learner, tok, None))
+    rows = [json.loads(r) for r in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["when"] for r in rows] == ["before the warm start", "after the warm start"]
+    assert all(r["phase"] == "ladder" and r["carry"] == 0.5 for r in rows)
+    assert {c.name for c in seen} == {"camg_reader"}
+
+
+def test_warm_start_decays_its_lr_and_rehearses_the_reading(tmp_path, monkeypatch):
+    """Each imitation step runs at warmstart_lr * (1 - (step - 1) / steps); with --warmstart-reading 0.5 each
+    batch of 4 task rows gets 4 rows of camg_reader.py's rungs (the reading rehearsed), the default for
+    --model reader; none for small, and the flag is refused for a model in another BPE."""
+    assert tiny_cfg(tmp_path, model="reader").warmstart_reading == 0.5
+    assert tiny_cfg(tmp_path, model="small").warmstart_reading == 0.0
+    with pytest.raises(cli.ConfigError, match="--model small or reader"):
+        tiny_cfg(tmp_path, model="tiny", warmstart_reading=0.5)
+    cfg = tiny_cfg(tmp_path, model="small", warmstart_steps=3, warmstart_reading=0.5, warmstart_lr=3e-3)
+    model, tok = camg.build_model("small", "cpu", 0)
+    learner = Learner(model, value_head=True, lr=1e-3, gradient_checkpointing=False)
+    task_rows = [([5, 6, 7, 8], [0, 1, 1, 0])] * 6
+    monkeypatch.setattr(camg, "warmstart_rows", lambda *a: task_rows)
+    monkeypatch.setattr(camg, "format_validity", lambda *a: 0.0)
+    seen, real = [], learner.update
+
+    def update(batch, **kw):
+        seen.append((learner.optimizer.param_groups[0]["lr"], batch))
+        return real(batch, **kw)
+    monkeypatch.setattr(learner, "update", update)
+    camg.warm_start(cfg, learner, tok, None, lambda r: None)
+    assert [lr for lr, _ in seen] == pytest.approx([3e-3, 2e-3, 1e-3])
+    import camg_reader
+    for _, batch in seen:
+        lengths = sorted(batch.lengths.tolist())
+        assert lengths[:4] == [4] * 4 and min(lengths[4:]) > 10 and len(lengths) == 8   # 4 task rows, 4 reading rows
+    assert learner.optimizer.param_groups[0]["lr"] == cfg.lr and camg_reader.RUNGS["carry"]
 
 
 def test_warmstart_rows_imitate_the_reference_through_resets(tmp_path):

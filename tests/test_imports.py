@@ -42,6 +42,7 @@ ALLOWED = {
     "exchange": {"camg_memory"},                  # the records and the exchange between processes,
     "camg_eval": {"camg_memory", "exchange", "published", "rewards", "rollout"},   # evaluation and summary,
     "camg_worker": {"camg_eval", "camg_memory", "exchange", "envs", "model", "rollout"},   # the rollout side
+    "camg_reader": {"pretrain", "camg_worker", "camg_memory", "rollout", "model"},   # camg.py's reader: pretrain's loop
 }
 
 

@@ -104,7 +104,7 @@ def test_a_short_build_learns_and_resumes_after_a_kill(tmp_path, monkeypatch):
                 raise KeyboardInterrupt
             return real_step(*a, **k)
         return step
-    monkeypatch.setattr(pretrain, "ladder", lambda model, tok, num_items=0, seed=0, rungs=None, pool=0: {
+    monkeypatch.setattr(pretrain, "ladder", lambda model, tok, num_items=0, seed=0, rungs=None, pool=0, course=None: {
         r: {"accuracy": 0.0, "chance": 0.0, "used": u, "items": 0} for r, u in pretrain.RUNGS.items()})
     out = tmp_path / "reader"
     monkeypatch.setattr(pretrain, "train_step", dying_at(8))
@@ -135,7 +135,7 @@ def test_the_stages_resume_to_the_same_weights(tmp_path, monkeypatch):
     """A build killed inside the cool-down, or inside the inference stage, ends with the weights of one that
     never stopped (a stage's optimizer and item stream are in its checkpoint)."""
     args = pretrain.Args(steps=4, anneal_steps=6, infer_steps=4, batch=4, eval_items=4, checkpoint_every=2, threads=1)
-    monkeypatch.setattr(pretrain, "ladder", lambda model, tok, num_items=0, seed=0, rungs=None, pool=0: {
+    monkeypatch.setattr(pretrain, "ladder", lambda model, tok, num_items=0, seed=0, rungs=None, pool=0, course=None: {
         r: {"accuracy": 0.0, "chance": 0.0, "used": u, "items": 0} for r, u in pretrain.RUNGS.items()})
     pretrain.build(args, tmp_path / "whole")
     real_step, calls = pretrain.train_step, []
@@ -164,7 +164,7 @@ def test_a_build_from_a_base_reader_is_the_whole_build(tmp_path, monkeypatch, ca
     stage; recipe 9's recipe.json) is where the build goes on: it runs only the inference stage, keeps the
     base's metrics rows, and ends with the weights of a whole build. A base of another recipe is a
     one-line error."""
-    monkeypatch.setattr(pretrain, "ladder", lambda model, tok, num_items=0, seed=0, rungs=None, pool=0: {
+    monkeypatch.setattr(pretrain, "ladder", lambda model, tok, num_items=0, seed=0, rungs=None, pool=0, course=None: {
         r: {"accuracy": 0.0, "chance": 0.0, "used": u, "items": 0} for r, u in pretrain.RUNGS.items()})
     kw = dict(steps=4, anneal_steps=4, batch=4, eval_items=4, checkpoint_every=2, threads=1)
     pretrain.build(pretrain.Args(infer_steps=3, **kw), tmp_path / "whole")
