@@ -20,7 +20,8 @@ RIME's reader (pretrain.py, whose training loop, ladder and cache this file reus
             reference agents write them: a choice of lines, then a copy
   reread    the chat after a context reset: the task, `cat CONTINUATION.md` and the saved lines, then a
             page that asks for one of the thing's attributes (the reply clicks the saved value), or a saved
-            memo "... is <name>." (the reply searches for the name)
+            memo "... is <name>." (the reply searches for the name); the value follows `[ ` as the
+            reference policies write it, so it is the same tokens as where it was read
 
 Every word is a random span of the BPE's alphanumeric tokens (a word-start token, then 0-2 pieces): no
 environment's names, options or answers are drawn (the templates use the environments' action words).
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 import pretrain
 from pretrain import Course, Item
 
-VERSION = 2
+VERSION = 3
 
 
 @dataclass
@@ -124,9 +125,13 @@ class Data(pretrain.Data):
         return self.text_item(f"Note:\n{text}\n\nneed {t} {a}", f" {v}", 1 / len(lines))
 
     def task_text(self, thing: str) -> str:
-        """A task's first observation that names `thing` among other words (no environment's task)."""
-        return (f"Instruction: {self.phrase(1, 3)} {thing} {self.phrase(1, 4)} (note: {self.phrase(2, 4)}, "
-                "shown only once)\nMemory folder: .agent_memory/ (kept across tasks)")
+        """A task's first observation that names `thing` where Shop's relay instruction names its category
+        ("<verb> a <thing> that is ..."), among random words (no environment's task). Recipe 2 put the
+        thing anywhere among random words: only a word the note also holds could tell it apart, and the
+        keyed carry was right in 0 of 82 probed items."""
+        article = "an" if thing[0].lower() in "aeiou" else "a"
+        return (f"Instruction: {self.word()} {article} {thing} that is {self.phrase(1, 3)}; {self.phrase(1, 4)} "
+                f"(note: {self.phrase(2, 4)}, shown only once)\nMemory folder: .agent_memory/ (kept across tasks)")
 
     def first_turn(self, obs: str) -> str:
         m = self.memory
@@ -156,28 +161,35 @@ class Data(pretrain.Data):
     def reread(self) -> Item:
         """After a reset: the task, the `cat` of the saved lines, then either an item page asking for one of
         the thing's attributes among other options (the reply clicks the saved value), or, when the file
-        holds a memo whose sentence ends "is <name>." (DeepResearch's), the reply searches for the name."""
+        holds a memo whose sentence ends "is <name>." (DeepResearch's), the reply searches for the name. The
+        value follows `[ ` (a space, as the reference policies write it): the tokens it had in the file."""
         other = [f"- {self.word()} {self.phrase(1, 3)}"] * self.rng.randint(0, 1)
         if self.rng.random() < 0.3:
             name = self.phrase(1, 2)
             saved = [f"- memo: {self.phrase(2, 5)} is {name}."] + other
             tokens = self.after_reset(self.word(), saved)
-            answer = self.fmt.scripted_reply(f"<action>search[{name}]</action>")
+            answer = self.fmt.scripted_reply(f"<action>search[ {name}]</action>")
             return Item(tokens + answer, [0] * len(tokens) + [1] * len(answer), 0.0)
         lines = self.note()
         thing = self.rng.choice(lines)[0]
         mine = [(a, v) for x, a, v in lines if x == thing]
-        a, v = self.rng.choice(mine)
+        k = self.rng.randrange(len(mine))          # the page asks for this one; those before it are chosen
+        a, v = mine[k]
         tokens = self.after_reset(thing, [f"- {thing} {x} {y}" for x, y in mine] + other)
         item = f"B{self.rng.randint(10000, 99999)}"
-        tokens += self.fmt.scripted_reply(f"<action>click[{item}]</action>")
-        options = self.words(self.rng.randint(2, 5))
-        options.insert(self.rng.randint(0, len(options)), v)
+        tokens += self.fmt.scripted_reply(f"<action>click[ {item}]</action>")
+        offered, n_options = [], 0
+        for x, y in mine:                          # Shop's item page: an option line per attribute
+            options = self.words(self.rng.randint(2, 5))
+            options.insert(self.rng.randint(0, len(options)), y)
+            offered.append(f"{x}: {' '.join(options)}")
+            n_options = len(options) if x == a else n_options
+        chosen = " ".join(f"{x}={y if i < k else 'none'}" for i, (x, y) in enumerate(mine))
         page = (f"[{item}] {self.phrase(2, 5)} | ${self.rng.randint(5, 199)}.{self.rng.randint(10, 99)}\n"
-                f"{a}: {' '.join(options)}\nselected: {a}=none\nActions: click[option value] | buy | click[back]")
+                + "\n".join(offered) + f"\nselected: {chosen}\nActions: click[option value] | buy | click[back]")
         tokens += self.fmt.user_turn(page, True)
-        answer = self.fmt.scripted_reply(f"<action>click[{v}]</action>")
-        return Item(tokens + answer, [0] * len(tokens) + [1] * len(answer), 1 / len(options))
+        answer = self.fmt.scripted_reply(f"<action>click[ {v}]</action>")
+        return Item(tokens + answer, [0] * len(tokens) + [1] * len(answer), 1 / n_options)
 
 
     def after_reset(self, thing: str, saved: list) -> list:
@@ -219,9 +231,14 @@ COURSE = Course("camg_reader", pretrain.REPO / "weights" / "camg_reader", new_mo
 
 def load(build_if_missing: bool = True):
     """(model, tokenizer) of CAMG's reader (camg.py --model reader starts here)."""
+    import camg_worker
     from model import load as load_dir, load_tokenizer
     d = pretrain.reader_dir(Args(), build_if_missing, COURSE)
-    return load_dir(d), load_tokenizer(d)
+    tok = load_tokenizer(d)
+    if tok.get_vocab() != camg_worker.small_tokenizer().get_vocab():   # the workers decode with this one
+        raise SystemExit(f"camg_reader: {d} has another BPE than camg.py's (it is trained on the environments' "
+                         "text, which has changed since): bump camg_reader.VERSION and rebuild")
+    return load_dir(d), tok
 
 
 if __name__ == "__main__":

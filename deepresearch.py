@@ -19,7 +19,9 @@ Reward (paid at `answer`): 1 for an exact match after SQuAD normalisation (lower
 punctuation, no articles, single spaces); otherwise `partial_credit * F1` (token-level F1, SQuAD
 style; default partial_credit = 0.5, so a half-right name never looks as good as a right one;
 set 0 for exact match only). success = exact match. Budget: `max_steps` actions (default 20).
-env.info: success, em, f1, hops, steps, num_shell, num_invalid.
+env.info: success, em, f1, hops, steps, num_shell, num_invalid. Arguments are stripped: the reference
+policy writes `search[ Ilsa Varnok career]`, so that the words are the tokens they were where it read
+them (after a space; after `[` a BPE spells them differently).
 
 Memory: tasks are grouped by region (Task.group = the start person's home country). People of a
 region mostly work, study and marry locally, so facts found in one task (who founded a company,
@@ -362,16 +364,16 @@ def next_hop(st: dict, facts_file: str | None) -> str:
         known = st["known"].get((rel, st["entity"]))
         if known is None:
             if st["tries"] >= 3:          # the page is not found: answer with the best guess
-                return f"answer[{st['entity']}]"
+                return f"answer[ {st['entity']}]"
             st["stage"], st["tries"] = "search", st["tries"] + 1
             query = title_for(st["entity"], rel).replace(":", "")
-            return f"search[{query}]" if st["tries"] <= 2 else f"search[{st['entity']}]"
+            return f"search[ {query}]" if st["tries"] <= 2 else f"search[ {st['entity']}]"
         st["entity"], st["hop"], st["tries"] = known, st["hop"] + 1, 0
     if facts_file and st["new"] and st["stage"] != "saved":
         st["stage"] = "saved"
         lines = " ".join(f"'- {r} of {e}: {v}'" for r, e, v in st["new"])
         return f"shell: printf '%s\\n' {lines} >> {facts_file}"
-    return f"answer[{st['entity']}]"
+    return f"answer[ {st['entity']}]"
 
 
 def chain_step(st: dict, obs: str, facts_file: str | None) -> str:
@@ -382,7 +384,7 @@ def chain_step(st: dict, obs: str, facts_file: str | None) -> str:
         for doc_id, title in re.findall(r"^\[(d\d+)\] (.+)$", obs, re.M):
             if title == want:
                 st["stage"] = "open"
-                return f"open[{doc_id}]"
+                return f"open[ {doc_id}]"
     elif st["stage"] == "open":
         m = re.search(PATTERNS[rel], obs)
         if m:

@@ -14,6 +14,9 @@ The agent reads a shopping instruction, searches a catalogue, opens items, picks
 Actions: `search[query]`, `click[<item id> | <option value> | next | prev | back]`, `buy`,
 `shell: <command>` (runs in env.workdir). Pages: search -> results (5 per page, up to 50 hits)
 -> item (title, price, attributes and the option lists; clicking an option value selects it).
+The argument is stripped, so `click[ m]` is `click[m]`; the reference policies write the space: in a
+BPE a word after `[` is other tokens than the same word after a space, where the agent read it, and
+with the space the argument is a copy of what it read.
 
 Reward (WebShop's formula, paid once at `buy`):
     r = r_type * (attrs matched + options matched + [price <= limit]) / (|attrs| + |options| + 1)
@@ -426,7 +429,7 @@ def browse(st: dict, goal: dict, prefs: dict, obs: str) -> str:
     """The reference shopper's next action from a page: search, pick a fitting listing, choose the
     options, buy. st: {"tried", "pages_seen", "fallback"}, kept across calls."""
     if obs.startswith("$ ") or obs.startswith("Instruction"):
-        return f"search[{search_query(goal, prefs)}]"
+        return f"search[ {search_query(goal, prefs)}]"
     if obs.startswith("Results for"):
         want = wanted(goal, prefs)
         listings = re.findall(r"^\[(B\d+)\] (.*) \| \$([\d.]+)$", obs, re.M)
@@ -437,13 +440,13 @@ def browse(st: dict, goal: dict, prefs: dict, obs: str) -> str:
                     and title.endswith(" " + goal["category"]))
             if pid not in st["tried"] and (fits or st["fallback"]):
                 st["tried"].add(pid)
-                return f"click[{pid}]"
+                return f"click[ {pid}]"
         m = re.search(r"\(page (\d+)/(\d+)\)", obs)
         st["pages_seen"] += 1
         if m and int(m.group(1)) < int(m.group(2)) and st["pages_seen"] < 4:
             return "click[next]"
         st["fallback"], st["pages_seen"] = True, 0   # no perfect listing: take the best we can
-        return f"search[{search_query(goal, prefs)}]"
+        return f"search[ {search_query(goal, prefs)}]"
     if obs.startswith("[B"):                   # an item page: pick the options, then buy
         want = wanted(goal, prefs)
         offered = dict(re.findall(r"^(\w+): (.*)$", obs, re.M))
@@ -452,9 +455,9 @@ def browse(st: dict, goal: dict, prefs: dict, obs: str) -> str:
             return "click[back]"
         for name, value in want["options"].items():
             if selected.get(name) != value and value in offered.get(name, "").split():
-                return f"click[{value}]"
+                return f"click[ {value}]"
         return "buy"
-    return f"search[{search_query(goal, prefs)}]"
+    return f"search[ {search_query(goal, prefs)}]"
 
 
 def parse_instruction(obs: str) -> dict:

@@ -57,7 +57,7 @@ def test_carry_saves_the_named_things_lines_as_the_reference_agents_write_them(f
             assert saved and all(line in note.splitlines() for line in saved)
             task = prompt.split("Instruction:", 1)[1].split("(note:")[0]
             things = {ln[2:].rsplit(" ", 2)[0] for ln in saved}
-            assert len(things) == 1 and f" {things.pop()} " in f" {task} "
+            assert len(things) == 1 and re.search(rf" an? {re.escape(things.pop())} that is ", task)   # Shop's frame
         assert action == camg_memory.write_action(re.findall(r"'(- [^']*)'", action))
     assert 15 <= keyed < 40
 
@@ -67,17 +67,35 @@ def test_reread_uses_what_the_file_says(fresh):
     _, tok = fresh
     memos = 0
     for prompt, reply in chat_items(tok, "reread", seed=3):
-        search = re.fullmatch(r"<action>search\[(.*)\]</action>", reply)
+        search = re.fullmatch(r"<action>search\[ (.*)\]</action>", reply)     # the value after a space
         if search:
             memos += 1
             assert re.search(r"\n- memo: .* is " + re.escape(search.group(1)) + r"\.\n", prompt)
             continue
-        value = re.fullmatch(r"<action>click\[(.*)\]</action>", reply).group(1)
-        attr = prompt.rsplit("selected: ", 1)[1].split("=none")[0]
+        value = re.fullmatch(r"<action>click\[ (.*)\]</action>", reply).group(1)
+        attr = prompt.rsplit("selected: ", 1)[1].split("=none")[0].split()[-1]     # the first not chosen
         saved = prompt.split("$ cat .agent_memory/CONTINUATION.md\n", 1)[1].split("\n\n(exit 0)")[0]
         assert any(ln.endswith(f" {attr} {value}") for ln in saved.splitlines())
-        assert f" {value} " in f" {prompt.rsplit(attr + ':', 1)[1].splitlines()[0]} "
+        assert f" {value} " in f" {prompt.rsplit(chr(10) + attr + ':', 1)[1].splitlines()[0]} "
     assert 5 <= memos < 30
+
+
+@pytest.mark.parametrize("name", ["shop", "deepresearch"])
+def test_the_reference_policies_write_what_they_read_after_a_space(name):
+    """The reread rung's wording is the reference policies': an argument taken from an observation follows
+    `[ `, so it is the tokens it was where it was read (after `[` the BPE spells a word otherwise)."""
+    import camg_worker
+    import rollout
+    env = camg_worker.make_env(name)
+    try:
+        task = next(t for t in env.tasks("train") if env.relay_fact(t))
+        actions = [p[len("<action>"):-len("</action>")] for p in rollout.scripted_text(env, task, env.reference_policy(task))
+                   if p.startswith("<action>")]
+    finally:
+        env.close()
+    args = [m.group(1) for a in actions for m in [re.fullmatch(r"\w+\[(.*)\]", a)] if m]
+    taken = [a for a in args if a.strip() not in ("", "note", "next", "prev", "back")]
+    assert taken and all(a.startswith(" ") and not a.startswith("  ") for a in taken), actions
 
 
 def test_the_data_never_reads_an_environment(fresh, monkeypatch):
@@ -137,9 +155,17 @@ def test_the_shipped_reader_is_this_recipe_and_reads():
     it copies spans well above chance. Its other rungs are as measured (docs/camg.md), not a target."""
     course = camg_reader.COURSE
     assert pretrain.shipped_matches(camg_reader.Args(), course), "weights/camg_reader is stale: rebuild it"
-    model, tok = camg_reader.load(build_if_missing=False)
+    model, tok = camg_reader.load(build_if_missing=False)      # (refuses a reader of another BPE than camg.py's)
     stored = json.loads((course.shipped / "ladder.json").read_text())
     now = pretrain.ladder(model, tok, num_items=64, seed=50_021, course=course)   # not a seed any build trains on
     for rung, r in now.items():
         assert abs(r["accuracy"] - stored[rung]["accuracy"]) <= 0.15, (rung, r["accuracy"], stored[rung]["accuracy"])
     assert now["copy"]["accuracy"] >= 0.8
+
+
+def test_a_reader_of_another_bpe_is_refused(monkeypatch):
+    """camg.py's rollout workers decode with camg_worker's BPE, so a reader built on another (here rime.py's,
+    as after a change to the environments' text) stops with a clear message instead of garbling every action."""
+    monkeypatch.setattr(pretrain, "reader_dir", lambda *a, **k: pretrain.READER.shipped)
+    with pytest.raises(SystemExit, match="another BPE"):
+        camg_reader.load(build_if_missing=False)
