@@ -303,10 +303,10 @@ def reading_rows(cfg: Config, tokenizer):
     rehearsed in each warm-start batch. Imitation alone erases a reader's reading (measured on RIME's:
     lookups 1.00 -> 0.16 in 150 steps; with half of each batch rehearsal 0.69-0.89, docs/reader.md)."""
     import camg_reader
+    import pretrain
     data = camg_reader.Data(tokenizer, cfg.seed + 31_337)
     mix = {r: w for r, w in camg_reader.PHASES[-1][2].items() if camg_reader.RUNGS[r]}
-    return lambda n: [(it.tokens, it.mask) for it in
-                      (getattr(data, r)() for r in data.rng.choices(list(mix), weights=list(mix.values()), k=n))]
+    return lambda n: [(it.tokens, it.mask) for it in pretrain.step_items(data, mix, n)]
 
 
 def warmstart_lr_at(cfg: Config, step: int) -> float:

@@ -226,7 +226,7 @@ def stages(args: Args) -> list:
 
 
 COURSE = Course("camg_reader", pretrain.REPO / "weights" / "camg_reader", new_model, Data, RUNGS, PHASES, 0,
-                args=Args, recipe=recipe, stages=stages)
+                recipe, stages, args=Args)
 
 
 def load(build_if_missing: bool = True):

@@ -111,18 +111,20 @@ class Args:
 
 
 def recipe(args: Args, course=None) -> dict:
-    """What decides the weights: the data version, the model's shape and the optimiser's settings (as
-    JSON reads them back, so a stored recipe compares equal)."""
-    course = course or READER
-    if course is not READER:
-        return json.loads(json.dumps(course.recipe(args)))
-    return json.loads(json.dumps({"version": RECIPE_VERSION, "model": MODEL_SHAPE, "vocab": VOCAB_SIZE,
-                                  "steps": args.steps, "batch": args.batch, "lr": args.lr, "seed": args.seed,
-                                  "anneal_steps": args.anneal_steps, "anneal_lr": args.anneal_lr,
-                                  "anneal_seed": ANNEAL_SEED, "infer_steps": args.infer_steps,
-                                  "infer_seed": INFER_SEED, "infer_weight": INFER_WEIGHT,
-                                  "phases": PHASES, "gate_every": GATE_EVERY, "pool_seed": POOL_SEED,
-                                  "pool": POOL, "task_words": TASK_WORDS}))
+    """What decides a course's weights (READER's: reader_recipe), as JSON reads it back, so that a stored
+    recipe compares equal."""
+    return json.loads(json.dumps((course or READER).recipe(args)))
+
+
+def reader_recipe(args: Args) -> dict:
+    """READER's recipe: the data version, the model's shape and the optimiser's settings."""
+    return {"version": RECIPE_VERSION, "model": MODEL_SHAPE, "vocab": VOCAB_SIZE,
+            "steps": args.steps, "batch": args.batch, "lr": args.lr, "seed": args.seed,
+            "anneal_steps": args.anneal_steps, "anneal_lr": args.anneal_lr,
+            "anneal_seed": ANNEAL_SEED, "infer_steps": args.infer_steps,
+            "infer_seed": INFER_SEED, "infer_weight": INFER_WEIGHT,
+            "phases": PHASES, "gate_every": GATE_EVERY, "pool_seed": POOL_SEED,
+            "pool": POOL, "task_words": TASK_WORDS}
 
 
 def recipe_key(args: Args, course=None) -> str:
@@ -496,20 +498,15 @@ class Course:
     rungs: dict                 # rung -> used by the tasks (the ladder's target applies), curriculum order
     phases: list                # the curriculum (PHASES' shape)
     pool: int                   # words the rungs draw from (0: the data's whole pool)
+    recipe: object              # args -> the recipe dict (READER's: reader_recipe)
+    stages: object              # args -> [(name, {rung: weight}, steps, item seed)] after the curriculum
     args: type = None           # its Args (the defaults are the shipped recipe); None: Args
-    recipe: object = None       # args -> the recipe dict (READER's is recipe() above)
-    stages: object = None       # args -> [(name, {rung: weight}, steps, item seed)] after the curriculum
     stage_only: frozenset = frozenset()
     base_stages: tuple = ()     # ((recipe version, stages a finished reader of it has), ...)
 
     def __post_init__(self):
         object.__setattr__(self, "args", self.args or Args)
         object.__setattr__(self, "base_stages", dict(self.base_stages))
-
-
-# rime.py's reader; a finished recipe-9 reader has the curriculum and the cool-down (--base builds on it)
-READER = Course("reader", SHIPPED, new_model, Data, RUNGS, PHASES, POOL, stage_only=frozenset(STAGE_ONLY),
-                base_stages=((9, 1),))
 
 
 # -----------------------------------------------------------------------------
@@ -576,14 +573,22 @@ INFER_WEIGHT = 0.7          # the infer rung's share of the inference stage's it
 
 
 def stages(args: Args, course=None) -> list:
-    """The stages after the curriculum, each a fresh AdamW with anneal_lr_at's lr on a fixed mix of items:
-    (name, {rung: weight}, steps, item seed). The cool-down settles the curriculum's last phase; the
-    inference stage adds the infer rung (recipe 10) while rehearsing that mix."""
-    if course is not None and course is not READER:
-        return course.stages(args)
+    """The stages after a course's curriculum, each a fresh AdamW with anneal_lr_at's lr on a fixed mix of
+    items: (name, {rung: weight}, steps, item seed)."""
+    return (course or READER).stages(args)
+
+
+def reader_stages(args: Args) -> list:
+    """READER's stages: the cool-down settles the curriculum's last phase; the inference stage adds the
+    infer rung (recipe 10) while rehearsing that mix."""
     last = PHASES[-1][2]
     mix = {**{r: w * (1 - INFER_WEIGHT) for r, w in last.items()}, "infer": INFER_WEIGHT}
     return [("cool-down", last, args.anneal_steps, ANNEAL_SEED), ("infer", mix, args.infer_steps, INFER_SEED)]
+
+
+# rime.py's reader; a finished recipe-9 reader has the curriculum and the cool-down (--base builds on it)
+READER = Course("reader", SHIPPED, new_model, Data, RUNGS, PHASES, POOL, reader_recipe, reader_stages,
+                stage_only=frozenset(STAGE_ONLY), base_stages=((9, 1),))
 
 
 VALIDATION_SEED = 20_011    # the gate checks' items: neither the training stream (--seed) nor the ladder's
