@@ -45,11 +45,7 @@ class Args(pretrain.Args):
     """Build (or check) CAMG's reader. The defaults are its recipe."""
     steps: int = 1500            # at most this many optimizer steps (the phases end earlier once mastered)
     anneal_steps: int = 200      # then the cool-down (lr decaying to 0 on the last phase's mix)
-    infer_steps: int = 0         # (RIME's inference, stone and settling stages: not part of this course)
-    stone_steps: int = 0
-    settle_steps: int = 0
-    turns_steps: int = 0
-    resettle_steps: int = 0
+    infer_steps: int = 0         # (RIME's inference stage: not part of this course)
 
 
 def new_model(seed: int):
@@ -226,7 +222,7 @@ def recipe(args: Args) -> dict:
 
 
 def stages(args: Args) -> list:
-    return [pretrain.Stage("cool-down", PHASES[-1][2], args.anneal_steps, ANNEAL_SEED)]
+    return [("cool-down", PHASES[-1][2], args.anneal_steps, ANNEAL_SEED)]
 
 
 COURSE = Course("camg_reader", pretrain.REPO / "weights" / "camg_reader", new_model, Data, RUNGS, PHASES, 0,
