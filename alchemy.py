@@ -281,9 +281,15 @@ class AlchemyEnv:
     """Symbolic Alchemy behind the envs.py contract (see the module docstring for the rules)."""
 
     def __init__(self, seed: int = 0, num_train_worlds: int = 16, num_test_worlds: int = 4,
-                 tasks_per_level: int = 6, num_trials: int = 3, trial_steps: int = 20):
+                 tasks_per_level: int = 6, num_trials: int = 3, trial_steps: int = 20, actor_context: str = "all"):
+        """actor_context: what rollout's agent loop shows the actor at each turn: "all", the episode so far;
+        "latest", the memory and the latest observation only (each observation states the whole state:
+        stones, potions, steps left)."""
         if min(num_train_worlds, num_test_worlds, tasks_per_level, num_trials) < 1:
             raise ValueError("num_train_worlds, num_test_worlds, tasks_per_level and num_trials must be >= 1")
+        if actor_context not in ("all", "latest"):
+            raise ValueError(f"actor_context must be 'all' or 'latest', got {actor_context!r}")
+        self.actor_context = actor_context
         most_actions = max(stones + potions for _, stones, potions in LEVELS) + 1  # applies + cauldrons + end
         if trial_steps < most_actions:
             raise ValueError(f"trial_steps={trial_steps} cannot fit an optimal trial; use >= {most_actions}")
@@ -407,7 +413,7 @@ class AlchemyEnv:
         return AlchemyPolicy(knowledge=knowledge, notes=notes)
 
     def clone(self):
-        return AlchemyEnv(**self.config)
+        return AlchemyEnv(**self.config, actor_context=self.actor_context)
 
     def close(self) -> None:
         pass  # holds no processes or files

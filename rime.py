@@ -109,6 +109,9 @@ class Args:
     temperature: float = 1.0
     writer_temperature: float = -1.0  # the writer's sampling temperature in RL (-1 = --temperature; see play_streams)
     max_turns: int = 24              # actor turns per task (paper 40)
+    actor_context: str = "auto"      # all (the episode so far, the paper's) | latest (memory + latest observation, a
+                                     # fresh context each turn: Alchemy's observation is the whole state); auto:
+                                     # latest on the laptop preset's Alchemy, else all
     max_new_tokens: int = 32         # tokens per actor reply (the note reader's chain takes 24)
     memory_tokens: int = 160         # memory cap in tokens (paper 2048)
     traj_chars: int = 1200           # trajectory budget the writer sees
@@ -156,12 +159,17 @@ class Args:
                     setattr(self, name, value)
         if self.eval_streams < 0:
             self.eval_streams = 64 if self.env == "alchemy" else 16
+        if self.actor_context == "auto":
+            self.actor_context = "latest" if self.env == "alchemy" and self.preset == "laptop" else "all"
         check = cli.check
         check(self.preset in ("laptop", "paper"), f"--preset must be laptop or paper, got {self.preset!r}")
         check(self.env in ("alchemy", "codebase"), f"--env must be alchemy or codebase (RIME's domains), got {self.env!r}")
         if self.model not in ("small", "scratch", "tiny", "smollm2"):
             check(os.path.isdir(self.model), f"--model {self.model!r}: not 'small', 'scratch', 'tiny', 'smollm2' or an existing checkpoint directory")
             cli.check_model_dir(self.model)
+        check(self.actor_context in ("all", "latest"), f"--actor-context must be all, latest or auto, got {self.actor_context!r}")
+        check(self.actor_context == "all" or self.env == "alchemy",
+              f"--actor-context latest needs --env alchemy (an observation that states the whole state), got --env {self.env}")
         check(self.k >= 1, f"--k must be >= 1, got {self.k}")
         check(self.group_size >= 2, f"--group-size must be >= 2 for group baselines, got {self.group_size}")
         for name in ("segment", "streams_per_step", "max_turns", "max_new_tokens", "memory_tokens", "traj_chars",
@@ -231,7 +239,7 @@ def make_env(args: Args):
     trial per task (the paper's episodes are longer), so rows stay short."""
     if args.env != "alchemy":
         return envs.make(args.env)
-    return envs.make("alchemy", num_train_worlds=args.train_worlds,
+    return envs.make("alchemy", num_train_worlds=args.train_worlds, actor_context=args.actor_context,
                      **({"num_trials": 1} if args.preset == "laptop" else {}))
 
 
@@ -657,7 +665,7 @@ RL_HEALTH = (("score", "score", ".3f"), ("explore", "explore", ".2f"), ("jfb", "
 
 
 # what the before-RL evaluation depends on, beside the weights and the held-out streams
-EVAL_SETTINGS = ("env", "preset", "eval_temperature", "eval_attempts", "max_turns", "max_new_tokens", "memory_tokens",
+EVAL_SETTINGS = ("env", "preset", "eval_temperature", "eval_attempts", "max_turns", "actor_context", "max_new_tokens", "memory_tokens",
                  "traj_chars", "eval_streams", "eval_segment", "tier", "swebench")
 
 

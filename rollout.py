@@ -28,6 +28,14 @@ memory file *paths* only; the policy must `cat` them back. The reset itself samp
 no training row; the closed context is kept in `Episode.segments` and trained on with the same
 return.
 
+The actor's context: the whole episode so far (the paper's), or, where the environment says so
+(`env.actor_context == "latest"`: laptop Alchemy, whose every observation states the whole state), only
+the memory and the latest observation: each turn opens a fresh context (system prompt, then the memory
+and that observation as the first user turn) and the one before is kept in `Episode.segments`, a row
+trained on with the same return. That context holds all the scripted protocol acts on
+(`alchemy.protocol_reply(memory, obs)`), and the actor never has to find the latest state after
+earlier ones.
+
 RIME roles (Section 3.1): the **actor** sees the memory in its first user turn; the **writer**
 (`write_memory`) reads the finished episode (actions and outcomes, truncated to a budget), its
 grading feedback and the previous memory, and returns the new memory, which replaces the old one.
@@ -269,18 +277,18 @@ def run_episodes(model, tokenizer, env, tasks, memory="", temperature=1.0, seed=
     fmt = ChatFormat(tokenizer, enable_thinking)
     context_budget = context_budget or model.config.max_seq_len
     # each episode's model state after its last turn: the next turn prefills only the new tokens
-    # (its observation), not the whole conversation again. A reset starts a new context: the
-    # state is keyed by the number of resets so a stale one is never reused.
+    # (its observation), not the whole conversation again. A reset (or a fresh context each turn) starts
+    # a new context: the state is keyed by the number of closed contexts so a stale one is never reused.
     saved = {}
 
     def replies(live_eps, step):
-        prefixes = [saved.get(id(ep), (None, None))[1] if saved.get(id(ep), (None,))[0] == ep.num_resets else None
+        prefixes = [saved.get(id(ep), (None, None))[1] if saved.get(id(ep), (None,))[0] == len(ep.segments) else None
                     for ep in live_eps]
         outs = generate(model, [ep.tokens for ep in live_eps], max_new_tokens, temperature=temperature,
                         top_p=top_p, stop_token_ids=fmt.eos_ids, seed=None if seed is None else seed * 1000003 + step,
                         prefixes=prefixes, keep_prefix=True)
         for ep, o in zip(live_eps, outs):
-            saved[id(ep)] = (ep.num_resets, o.prefix)
+            saved[id(ep)] = (len(ep.segments), o.prefix)
         return [(o.tokens, o.logprobs, o.finish_reason == "stop") for o in outs]
     eps = agent_loop(fmt, replies, env, tasks, memory, max_turns=max_turns, max_new_tokens=max_new_tokens,
                 context_budget=context_budget, system_prompt=system_prompt, num_threads=num_threads,
@@ -344,6 +352,7 @@ def agent_loop(fmt, replies, env, tasks, memory, *, max_turns, max_new_tokens, c
     assert len(envs_) == len(tasks), f"{len(envs_)} environments for {len(tasks)} tasks"
     memories = [safe_text(m) for m in (memory if isinstance(memory, (list, tuple)) else [memory] * len(tasks))]
     max_turns = max_turns or envs_[0].max_steps
+    latest = getattr(envs_[0], "actor_context", "all") == "latest"
     pool = ThreadPoolExecutor(max_workers=min(num_threads, len(tasks)))
     tokenizer = fmt.tok
 
@@ -408,6 +417,10 @@ def agent_loop(fmt, replies, env, tasks, memory, *, max_turns, max_new_tokens, c
                 _append(ep, fmt.close(ended), 0)
                 continue
             text = f"{obs}\n{budget_line(max_turns - ep.num_turns, max_turns)}"
+            if latest:   # a fresh context each turn: the memory and this observation, nothing before it
+                _append(ep, fmt.close(ended), 0)
+                _open_context(fmt, ep, system_prompt, first_user_turn(text, ep.memory), max_new_tokens, context_budget)
+                continue
             glue = fmt.user_turn(text, ended)
             ask = fmt.user_turn(f"{text}\n{CONTINUATION_PROMPT}", ended)
             room = context_budget - len(ep.tokens) - max_new_tokens   # what this user turn may take
@@ -475,14 +488,21 @@ def reset_note(paths: list[str]) -> str:
 def _mechanical_reset(fmt, ep, env, system_prompt, max_new_tokens, context_budget):
     """Close the current context (kept as a training row) and open a fresh one holding the task
     and the memory file *paths*, never their contents. Samples nothing."""
-    ep.segments.append(Segment(ep.tokens, ep.loss_mask, ep.logprobs, ep.temperature, ep.top_p))
     ep.num_resets += 1
     ep.reset_turns.append(ep.num_turns)
     ep.reset_pending = False
     files = getattr(env, "memory_files", None)
     paths = sorted(files().keys()) if callable(files) else []
     paths = [safe_text(p if p.startswith(".agent_memory") else f".agent_memory/{p}") for p in paths] or [CONTINUATION_PATH]
-    ep.tokens = fmt.prompt(system_prompt, first_user_turn(ep.observations[0], ep.memory) + "\n\n" + reset_note(paths))
+    _open_context(fmt, ep, system_prompt, first_user_turn(ep.observations[0], ep.memory) + "\n\n" + reset_note(paths),
+                  max_new_tokens, context_budget)
+
+
+def _open_context(fmt, ep, system_prompt, user, max_new_tokens, context_budget):
+    """Close the episode's current context (kept as a training row, `Episode.segments`) and open a fresh
+    one: the system prompt and this first user turn."""
+    ep.segments.append(Segment(ep.tokens, ep.loss_mask, ep.logprobs, ep.temperature, ep.top_p))
+    ep.tokens = fmt.prompt(system_prompt, user)
     ep.loss_mask = [0] * len(ep.tokens)
     ep.logprobs = [0.0] * len(ep.tokens)
     if len(ep.tokens) + max_new_tokens > context_budget:
