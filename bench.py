@@ -100,6 +100,8 @@ class Config:
                                                                "got no answer"})
     attempts: int = field(default=2, metadata={"help": "from-scratch tries per task, averaged (paper: 4)"})
     max_turns: int = field(default=4, metadata={"help": "turns per task for local models"})
+    actor_context: str = field(default="all", metadata={"help": "alchemy, local models: all (the episode so far) | latest "
+                                                                "(the memory and the latest observation: how rime.py's laptop actor plays)"})
     max_new_tokens: int = field(default=32, metadata={"help": "tokens per local-model turn"})
     writer_tokens: int = field(default=96, metadata={"help": "tokens of a local model's memory rewrite"})
     traj_chars: int = field(default=1200, metadata={"help": "trajectory characters the writer sees"})
@@ -122,6 +124,7 @@ class Config:
 
     def __post_init__(self):
         self.streams = [s for arg in self.streams for s in str(arg).split(",") if s]
+        cli.check(self.actor_context in ("all", "latest"), f"--actor-context must be all or latest, got {self.actor_context!r}")
         bad = [s for s in self.streams if s not in STREAMS]
         if bad or not self.streams:
             raise ValueError(f"unknown stream {bad or '(none)'}; choose from {', '.join(STREAMS)}")
@@ -341,7 +344,7 @@ def load_streams(name: str, cfg: Config) -> list:
     from envs import make
     from curriculum import make_stream
     if name == "alchemy":
-        env = make("alchemy", seed=0)
+        env = make("alchemy", seed=0, actor_context=cfg.actor_context)
         out = [("alchemy", env, make_stream(env.tasks("test"), "easy_to_hard", segment=6, seed=0), "text")]
     elif name.startswith("codebase"):
         import codebase
@@ -368,8 +371,9 @@ def load_streams(name: str, cfg: Config) -> list:
 def settings_of(agent: Agent, cfg: Config) -> dict:
     """The knobs that change an agent's results: a cached row is reused only under the same ones."""
     if agent.kind == "model":
-        return {k: getattr(cfg, k) for k in ("max_turns", "max_new_tokens", "writer_tokens", "traj_chars",
-                                             "temperature", "seed", "context")}
+        return {**{k: getattr(cfg, k) for k in ("max_turns", "max_new_tokens", "writer_tokens", "traj_chars",
+                                                "temperature", "seed", "context")},
+                **({"actor_context": "latest"} if cfg.actor_context == "latest" else {})}
     if agent.kind == "api":
         return {"temperature": cfg.temperature, "max_tokens": cfg.api_max_tokens, "traj_chars": cfg.traj_chars,
                 "max_turns": cfg.api_max_turns}

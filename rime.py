@@ -120,7 +120,7 @@ class Args:
     warmstart_threshold: float = 0.95  # held-out protocol agreement (imitation: validity) and writer format rate that end the warm start (> 1: never)
     warmstart_lr: float = 3e-3       # the warm start's first lr, decaying linearly to 0 (warmstart.warmstart_lr_at)
     warmstart_mode: str = "protocol"  # protocol (action syntax + memory shape only) | imitation (the scripted agent's content too)
-    warmstart_batch: int = 10        # rows per imitation step
+    warmstart_batch: int = 10        # rows per imitation step (an episode's actor rows count as one)
     warmstart_reading: float = -1.0  # share of those rows rehearsing the reader's rungs; -1 = auto (0.4 for small, else 0)
     warmstart_decisions: float = 0.2  # share of those rows that are the turns where the notes decide the move (protocol mode)
     warmstart_streams: int = 48      # scripted streams that make the imitation data

@@ -98,7 +98,7 @@ def scripted_writers(traj_chars: int, fits) -> dict:
             "transcribing, keeping": keeping, "transcribing + best inferred": inferring}
 
 
-def warmstart_rows(tokenizer, env, tasks, args, decisions: list | None = None):
+def warmstart_rows(tokenizer, env, tasks, args, decisions: list | None = None, units: list | None = None):
     """Scripted streams rendered exactly as rollouts are: actor rows from run_scripted (loss mask on
     the agent's tokens) and writer rows = the writer prompt rollout.write_memory builds + a target
     memory. Two modes:
@@ -107,12 +107,18 @@ def warmstart_rows(tokenizer, env, tasks, args, decisions: list | None = None):
                 task knowledge (RL has to teach what to keep);
       imitation: the reference actor (env.reference_policy) and the scripted writer's memory
                 (alchemy.memory_text of what it inferred): imitation of the content too.
-    `decisions`, if given, receives note_decision_rows of every episode (protocol mode)."""
+    `decisions`, if given, receives note_decision_rows of every episode (protocol mode); `units`, if given,
+    the warm start's sampling units as lists of row indices: an episode's actor rows (one, or one a turn where
+    the actor sees only the latest observation, env.actor_context == "latest"), and each writer row, so that a
+    batch holds as many episodes either way."""
     streams = curriculum.make_streams(tasks, args.warmstart_streams, order="easy_to_hard", segment=args.segment,
                                       seed=args.seed)
     rows = []
     for _, ep, writer_row in scripted_play(tokenizer, env, streams, args):
-        rows += [(r.tokens, r.loss_mask) for r in ep.rows()]
+        actor = [(r.tokens, r.loss_mask) for r in ep.rows()]
+        if units is not None:
+            units += [list(range(len(rows), len(rows) + len(actor))), [len(rows) + len(actor)]]
+        rows += actor
         rows.append(writer_row)
         if decisions is not None and args.warmstart_mode == "protocol":
             decisions += note_decision_rows(ep)
@@ -371,8 +377,9 @@ def warm_start(learner, tokenizer, env, args, log) -> dict:
         print0(f"warm start skipped: {actor_gate} {first[actor_gate]:.2f} and writer format "
                f"{first['writer_ok']:.2f} >= {args.warmstart_threshold}")
         return summary(first, first, 0)
-    decisions = []
-    rows = warmstart_rows(tokenizer, env, env.tasks("train"), args, decisions=decisions)
+    decisions, units = [], []
+    rows = warmstart_rows(tokenizer, env, env.tasks("train"), args, decisions=decisions, units=units)
+    units = units or [[i] for i in range(len(rows))]
     print0(f"warm start ({args.warmstart_mode}): {len(rows)} rows, {sum(len(r[0]) for r in rows)} tokens; "
            f"{len(decisions)} turns where the notes decide the move; validity {first['validity']:.2f}")
     rng = random.Random(args.seed)
@@ -387,7 +394,8 @@ def warm_start(learner, tokenizer, env, args, log) -> dict:
     for step in bar:
         for g in learner.optimizer.param_groups:
             g["lr"] = warmstart_lr_at(step, args)
-        batch = rng.sample(rows, min(args.warmstart_batch - n_reading - n_decisions, len(rows)))
+        batch = [rows[i] for u in rng.sample(units, min(args.warmstart_batch - n_reading - n_decisions, len(units)))
+                 for i in u]
         batch += reading_rows(reading, n_reading, rng) if n_reading else []
         batch += rng.sample(decisions, min(n_decisions, len(decisions)))
         b = make_batch([r[0] for r in batch], [[0] * len(r[1]) for r in batch], sft_mask=[r[1] for r in batch])

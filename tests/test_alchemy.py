@@ -249,6 +249,8 @@ def test_invalid_actions_explain_and_never_raise(env, train):
         env.tasks("valid")
     with pytest.raises(ValueError, match="trial_steps"):
         envs.make("alchemy", trial_steps=5)
+    with pytest.raises(ValueError, match="actor_context must be 'all' or 'latest'"):
+        envs.make("alchemy", actor_context="last")
 
 
 def test_episode_end_and_budget(env, train):

@@ -91,7 +91,8 @@ def _one_line_error(capsys, fn, msg):
 def test_bad_config_gets_a_clear_error(tmp_path, capsys):
     for argv, msg in ((["--streams", "nope"], "unknown stream"), (["--attempts", "0"], "--attempts"),
                       (["--policy", str(tmp_path / "none")], "checkpoint dir"), (["--threads", "-1"], "--threads"),
-                      (["--temperature", "nan"], "--temperature must be a number"), (["--api", "http://x"], "go together")):
+                      (["--temperature", "nan"], "--temperature must be a number"), (["--api", "http://x"], "go together"),
+                      (["--actor-context", "last"], "--actor-context must be all or latest")):
         _one_line_error(capsys, lambda: bench.main(argv), msg)
 
 

@@ -163,6 +163,8 @@ def test_train_worlds_reach_the_env_and_keep_its_test_worlds():
     (["--max-turns", "0"], "--max-turns must be >= 1"), (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--memory-tokens", "0"], "--memory-tokens must be >= 1"), (["--eval-streams", "0"], "--eval-streams must be >= 1"),
     (["--train-worlds", "0"], "--train-worlds must be >= 1"),
+    (["--actor-context", "some"], "--actor-context must be all, latest or auto"),
+    (["--actor-context", "latest", "--env", "codebase"], "--actor-context latest needs --env alchemy"),
     (["--warmstart-mode", "copy"], "--warmstart-mode must be protocol or imitation"),
     (["--eval-temperature", "-1"], "--eval-temperature must be a number in [0"),
     (["--writer-temperature", "0"], "--writer-temperature must be a number in (0"),
@@ -187,6 +189,18 @@ def test_eval_streams_default_to_what_resolves_an_rl_effect():
     env = rime.make_env(rime.parse_args([]))
     wide, narrow = (rime.eval_streams(env, rime.parse_args(a)) for a in ([], ["--eval-streams", "16"]))
     assert [[t.id for t in s] for s in wide[:16]] == [[t.id for t in s] for s in narrow]
+
+
+def test_the_actor_context_defaults_to_the_latest_observation_on_laptop_alchemy_only():
+    """auto: laptop Alchemy's actor sees the memory and the latest observation (each observation states the
+    whole state); the paper preset and Codebase keep the whole episode; the env and its clones carry it."""
+    assert rime.parse_args([]).actor_context == "latest"
+    assert rime.parse_args(["--preset", "paper"]).actor_context == "all"
+    assert rime.parse_args(["--env", "codebase", "--warmstart-steps", "0"]).actor_context == "all"
+    assert rime.parse_args(["--actor-context", "all"]).actor_context == "all"
+    env = rime.make_env(rime.parse_args([]))
+    assert env.actor_context == env.clone().actor_context == "latest"
+    assert rime.make_env(rime.parse_args(["--actor-context", "all"])).clone().actor_context == "all"
 
 
 def test_old_flag_spellings_still_parse():
@@ -340,6 +354,28 @@ def test_decoupled_writer_trains_its_own_weights(tmp_path):
 
 # -----------------------------------------------------------------------------
 # warm start
+
+
+def test_the_warm_start_samples_whole_episodes_when_the_actor_sees_only_the_latest_observation():
+    """units: an episode's actor rows (one a turn under actor_context latest, one under all) and its writer
+    row, each a unit, so a batch of --warmstart-batch units holds as many episodes either way."""
+    _, tok = tiny("qwen3", seed=0)
+    args = rime.parse_args(["--model", "tiny", "--warmstart-streams", "2", "--segment", "1"])
+    for context in ("latest", "all"):
+        env = envs.make("alchemy", num_trials=1, actor_context=context)
+        units = []
+        rows = warmstart.warmstart_rows(tok, env, env.tasks("train"), args, units=units)
+        assert sorted(i for u in units for i in u) == list(range(len(rows)))
+        actor, writer = units[0::2], units[1::2]
+        assert len(actor) == len(writer) > 0
+        assert all(len(u) == 1 for u in writer)
+        prompts = [tok.decode(rows[u[0]][0]) for u in writer]
+        assert all(rollout.WRITER_SYSTEM in p for p in prompts)
+        if context == "all":
+            assert all(len(u) == 1 for u in actor)
+        else:   # one row a turn: each opens with the memory and the observation it answers
+            assert any(len(u) > 1 for u in actor)
+            assert all(tok.decode(rows[i][0]).count(rollout.MEMORY_HEADER) == 1 for u in actor for i in u)
 
 
 def test_expert_rows_are_the_rollout_protocol(monkeypatch):

@@ -104,6 +104,43 @@ def test_token_in_token_out_five_turns():
         assert abs(ep.score - 0.1 * (5 - ep.num_format_errors)) < 1e-9
 
 
+class LatestEchoEnv(EchoEnv):
+    actor_context = "latest"     # the actor sees the memory and the latest observation only
+
+    def clone(self):
+        return LatestEchoEnv()
+
+
+def test_latest_context_is_a_fresh_row_per_turn_with_the_memory_and_the_latest_observation():
+    from rollout import ACTOR_SYSTEM, first_user_turn, budget_line
+    model, tok = tiny("qwen3", seed=0)
+    env = LatestEchoEnv()
+    eps = run_episodes(model, tok, env, env.tasks("train")[:2], memory="- a note", temperature=1.0,
+                       seed=3, max_new_tokens=12)
+    for ep in eps:
+        rows = ep.rows()
+        assert ep.num_turns == 5 and len(rows) == 5 and ep.num_resets == 0
+        for n, row in enumerate(rows):
+            # each row: the system prompt, the memory and observation n (with its turn budget after the
+            # first), then the one reply sampled there; nothing of the turns before it
+            obs = ep.observations[n] + ("" if n == 0 else f"\n{budget_line(5 - n, 5)}")
+            reply = [t for t, m in zip(row.tokens, row.loss_mask) if m]
+            first = row.loss_mask.index(1)
+            assert row.loss_mask[first:first + len(reply)] == [1] * len(reply)    # one reply, then the turn's close
+            prompt = row.tokens[:first]
+            want = tok.apply_chat_template([{"role": "system", "content": ACTOR_SYSTEM},
+                                            {"role": "user", "content": first_user_turn(obs, ep.memory)}],
+                                           tokenize=False, add_generation_prompt=True)
+            assert tok.decode(prompt) == want
+            # the behaviour logprobs are this context's (the KV state of the turn before is never reused)
+            with torch.no_grad():
+                logits = model(torch.tensor([row.tokens]))[0].float()
+            lp = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(row.tokens[1:])[:, None])[:, 0]
+            mask = torch.tensor(row.loss_mask[1:], dtype=torch.bool)
+            assert mask.sum() == len(reply)
+            assert torch.allclose(lp[mask], torch.tensor(row.logprobs[1:])[mask], atol=1e-4)
+
+
 def test_format_errors_count_as_turns_and_env_errors_are_recorded():
     model, tok = tiny("qwen3", seed=0)
     eps = run_episodes(model, tok, EchoEnv(), EchoEnv().tasks("train")[:1], seed=0, max_new_tokens=4)
