@@ -109,9 +109,9 @@ class Args:
     temperature: float = 1.0
     writer_temperature: float = -1.0  # the writer's sampling temperature in RL (-1 = --temperature; see play_streams)
     max_turns: int = 24              # actor turns per task (paper 40)
-    actor_context: str = "auto"      # all (the episode so far, the paper's) | latest (memory + latest observation, a
-                                     # fresh context each turn: Alchemy's observation is the whole state); auto:
-                                     # latest on the laptop preset's Alchemy, else all
+    actor_context: str = "all"       # all (the episode so far, the paper's) | latest (Alchemy: the memory and the
+                                     # latest observation, a fresh context each turn; measured, not the default:
+                                     # docs/reader.md, "The actor on the latest observation")
     max_new_tokens: int = 32         # tokens per actor reply (the note reader's chain takes 24)
     memory_tokens: int = 160         # memory cap in tokens (paper 2048)
     traj_chars: int = 1200           # trajectory budget the writer sees
@@ -159,15 +159,13 @@ class Args:
                     setattr(self, name, value)
         if self.eval_streams < 0:
             self.eval_streams = 64 if self.env == "alchemy" else 16
-        if self.actor_context == "auto":
-            self.actor_context = "latest" if self.env == "alchemy" and self.preset == "laptop" else "all"
         check = cli.check
         check(self.preset in ("laptop", "paper"), f"--preset must be laptop or paper, got {self.preset!r}")
         check(self.env in ("alchemy", "codebase"), f"--env must be alchemy or codebase (RIME's domains), got {self.env!r}")
         if self.model not in ("small", "scratch", "tiny", "smollm2"):
             check(os.path.isdir(self.model), f"--model {self.model!r}: not 'small', 'scratch', 'tiny', 'smollm2' or an existing checkpoint directory")
             cli.check_model_dir(self.model)
-        check(self.actor_context in ("all", "latest"), f"--actor-context must be all, latest or auto, got {self.actor_context!r}")
+        check(self.actor_context in ("all", "latest"), f"--actor-context must be all or latest, got {self.actor_context!r}")
         check(self.actor_context == "all" or self.env == "alchemy",
               f"--actor-context latest needs --env alchemy (an observation that states the whole state), got --env {self.env}")
         check(self.k >= 1, f"--k must be >= 1, got {self.k}")

@@ -28,13 +28,13 @@ memory file *paths* only; the policy must `cat` them back. The reset itself samp
 no training row; the closed context is kept in `Episode.segments` and trained on with the same
 return.
 
-The actor's context: the whole episode so far (the paper's), or, where the environment says so
-(`env.actor_context == "latest"`: laptop Alchemy, whose every observation states the whole state), only
-the memory and the latest observation: each turn opens a fresh context (system prompt, then the memory
-and that observation as the first user turn) and the one before is kept in `Episode.segments`, a row
-trained on with the same return. That context holds all the scripted protocol acts on
+The actor's context: the whole episode so far (the paper's, the default), or, where the environment says
+so (`env.actor_context == "latest"`, Alchemy's option: its every observation states the whole state),
+only the memory and the latest observation: each turn opens a fresh context (system prompt, then the
+memory and that observation as the first user turn) and the one before is kept in `Episode.segments`, a
+row trained on with the same return. That context holds all the scripted protocol acts on
 (`alchemy.protocol_reply(memory, obs)`), and the actor never has to find the latest state after
-earlier ones.
+earlier ones (measured on the laptop model, not the default: docs/reader.md).
 
 RIME roles (Section 3.1): the **actor** sees the memory in its first user turn; the **writer**
 (`write_memory`) reads the finished episode (actions and outcomes, truncated to a budget), its

@@ -163,7 +163,7 @@ def test_train_worlds_reach_the_env_and_keep_its_test_worlds():
     (["--max-turns", "0"], "--max-turns must be >= 1"), (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--memory-tokens", "0"], "--memory-tokens must be >= 1"), (["--eval-streams", "0"], "--eval-streams must be >= 1"),
     (["--train-worlds", "0"], "--train-worlds must be >= 1"),
-    (["--actor-context", "some"], "--actor-context must be all, latest or auto"),
+    (["--actor-context", "some"], "--actor-context must be all or latest"),
     (["--actor-context", "latest", "--env", "codebase"], "--actor-context latest needs --env alchemy"),
     (["--warmstart-mode", "copy"], "--warmstart-mode must be protocol or imitation"),
     (["--eval-temperature", "-1"], "--eval-temperature must be a number in [0"),
@@ -191,16 +191,13 @@ def test_eval_streams_default_to_what_resolves_an_rl_effect():
     assert [[t.id for t in s] for s in wide[:16]] == [[t.id for t in s] for s in narrow]
 
 
-def test_the_actor_context_defaults_to_the_latest_observation_on_laptop_alchemy_only():
-    """auto: laptop Alchemy's actor sees the memory and the latest observation (each observation states the
-    whole state); the paper preset and Codebase keep the whole episode; the env and its clones carry it."""
-    assert rime.parse_args([]).actor_context == "latest"
-    assert rime.parse_args(["--preset", "paper"]).actor_context == "all"
-    assert rime.parse_args(["--env", "codebase", "--warmstart-steps", "0"]).actor_context == "all"
-    assert rime.parse_args(["--actor-context", "all"]).actor_context == "all"
-    env = rime.make_env(rime.parse_args([]))
+def test_the_actor_context_reaches_the_env_and_its_clones():
+    """--actor-context: all (the default, the paper's whole episode) or latest (the memory and the latest
+    observation); the env and its clones carry it to rollout's agent loop."""
+    assert rime.parse_args([]).actor_context == "all" == rime.parse_args(["--preset", "paper"]).actor_context
+    env = rime.make_env(rime.parse_args(["--actor-context", "latest"]))
     assert env.actor_context == env.clone().actor_context == "latest"
-    assert rime.make_env(rime.parse_args(["--actor-context", "all"])).clone().actor_context == "all"
+    assert rime.make_env(rime.parse_args([])).clone().actor_context == "all"
 
 
 def test_old_flag_spellings_still_parse():
