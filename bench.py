@@ -101,7 +101,7 @@ class Config:
     attempts: int = field(default=2, metadata={"help": "from-scratch tries per task, averaged (paper: 4)"})
     max_turns: int = field(default=4, metadata={"help": "turns per task for local models"})
     actor_context: str = field(default="all", metadata={"help": "alchemy, local models: all (the episode so far) | latest "
-                                                                "(the memory and the latest observation: how rime.py's laptop actor plays)"})
+                                                                "(the memory and the latest observation, as rime.py --actor-context latest plays)"})
     max_new_tokens: int = field(default=32, metadata={"help": "tokens per local-model turn"})
     writer_tokens: int = field(default=96, metadata={"help": "tokens of a local model's memory rewrite"})
     traj_chars: int = field(default=1200, metadata={"help": "trajectory characters the writer sees"})

@@ -677,7 +677,8 @@ def reused_before(run: Run) -> dict:
         summary = json.load(f)
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
-    problems = [n for n in EVAL_SETTINGS if config.get(n) != getattr(args, n)]
+    before = {"actor_context": "all"}       # what a run made before the setting existed used
+    problems = [n for n in EVAL_SETTINGS if config.get(n, before.get(n)) != getattr(args, n)]
     if summary["streams"] != [[t.id for t in s] for s in run.streams]:
         problems.append("held-out streams")
     if config.get("steps") != 0 or os.path.realpath(args.init_from) not in {

@@ -741,3 +741,25 @@ def test_greedy_replies_in_chunks_are_the_replies_of_one_call(monkeypatch):
     contexts = [[0] * n for n in range(1, 8)]
     assert warmstart.greedy_replies(model, None, contexts, 8, chunk=3) == [f"apply p1 s{n}" for n in range(1, 8)]
     assert calls == [3, 3, 1] and model.training
+
+
+def test_before_from_a_run_older_than_the_actor_context_setting(tmp_path, capsys):
+    """--before-from reads the other run's config.json: one written before --actor-context existed played the
+    whole episode, so it pairs with --actor-context all and is a one-line error with latest."""
+    import types
+    from model import save
+    src = tmp_path / "src"
+    save(*tiny("qwen3", seed=0), src / "warmstart")
+    base = rime.parse_args(["--init-from", str(src / "warmstart"), "--steps", "0"])
+    config = {n: getattr(base, n) for n in rime.EVAL_SETTINGS if n != "actor_context"}
+    (src / "config.json").write_text(json.dumps({**config, "steps": 0}))
+    (src / "summary.json").write_text(json.dumps({"streams": [["t1"]], "before": {"cumulative_gain": 0.1}}))
+    args = rime.parse_args(["--init-from", str(src / "warmstart"), "--before-from", str(src), "--steps", "0"])
+    logged = []
+    run = types.SimpleNamespace(args=args, streams=[[types.SimpleNamespace(id="t1")]], log=logged.append)
+    assert rime.reused_before(run) == {"cumulative_gain": 0.1} and logged[0]["reused_from"] == str(src)
+    run.args = rime.parse_args(["--init-from", str(src / "warmstart"), "--before-from", str(src), "--steps", "0",
+                                "--actor-context", "latest"])
+    with pytest.raises(SystemExit):
+        rime.reused_before(run)
+    assert "differs in actor_context" in capsys.readouterr().err
