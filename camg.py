@@ -45,10 +45,11 @@ How it works (as in AReaL's asynchronous PPO):
   one. Only an episode that could not run at all (its reset raised, the rollout crashed) is dropped.
 - Evaluation: --eval-tasks test tasks per env (the paper: 128), greedy, as streams (a test group's tasks
   in order); success per env and the average, before RL (after the warm start) and after, paired by
-  task; the paper's Table 2 layout beside the published rows. Ablations (--eval-memory): blank empties
-  the saved memory before each task, shuffle swaps in another stream's memory, continuation keeps only
-  CONTINUATION.md (--train-memory too); wiped deletes CONTINUATION.md at every reset inside an episode
-  (does a success need what the file says?).
+  task; the paper's Table 2 layout beside the published rows; in the training's memory mode unless
+  --eval-memory says otherwise. Ablations (--eval-memory): blank empties the saved memory before each
+  task, shuffle swaps in another stream's memory, continuation keeps only CONTINUATION.md (--train-memory
+  too); wiped (the training's mode) deletes CONTINUATION.md at every reset inside an episode (does a
+  success need what the file says?).
 
 Departures from the paper: small defaults; weights travel through files, not an NCCL broadcast (use a
 tmpfs --exchange-dir at scale); no KL to a reference by default (--kl-coef); a segment's GAE chain ends at
@@ -126,16 +127,18 @@ class Config:
     clip_ratio_c: float = 0.0       # dual-clip bound for negative advantages (0 = off; verl uses 3.0)
     mask_memory_actions: bool = False  # ablation: no gradient through actions that write or read memory files
     micro_batch_tokens: int = 4096  # padded tokens per learner forward
-    warmstart_steps: int = -1       # max imitation steps before RL; -1 = auto (150 for small / reader, 0 otherwise)
+    warmstart_steps: int = -1       # max imitation steps before RL; -1 = auto (300 for reader, 150 for small, 0 otherwise)
     warmstart_threshold: float = 0.9   # held-out format validity that ends (or skips) the warm start
-    warmstart_lr: float = 5e-3      # the first imitation step's; it decays linearly towards 0 at --warmstart-steps
+    warmstart_lr: float = -1.0      # the first imitation step's, decaying linearly towards 0 at --warmstart-steps;
+                                    # -1 = auto (2e-3 for reader: 5e-3 erased its reading, docs/camg.md; 5e-3 otherwise)
     warmstart_batch: int = 4        # rows per imitation step
     warmstart_reading: float = -1   # share of each warm-start batch that rehearses camg_reader.py's rungs
                                     # (added to the rows above); -1 = auto (0.5 for reader, 0 otherwise)
     warmstart_tasks: int = 24       # train tasks per env whose reference trajectories are imitated
     eval_tasks: int = 16            # test tasks per environment (the paper: 128); 0 = no evaluation
     eval_stream_len: int = 1        # tasks per evaluation stream (memory carries along a stream)
-    eval_memory: str = "full"       # comma list of memory modes to evaluate: full,blank,shuffle,continuation,wiped
+    eval_memory: str = ""           # comma list of memory modes to evaluate: full,blank,shuffle,continuation,wiped;
+                                    # "" = the training mode (--train-memory): the first turn the policy trained on
     eval_every: int = 0             # also evaluate every this many updates (0 = at the end only)
     eval_only: bool = False         # evaluate the resumed (or initial) model without training
     save_every: int = 50            # checkpoint every this many updates, and at the end
@@ -146,13 +149,13 @@ class Config:
     def __post_init__(self):
         check = cli.check
         self.weights = parse_weights(self.env_weights)
-        self.eval_modes = [m.strip() for m in self.eval_memory.split(",") if m.strip()]
+        check(self.train_memory in ("full", "blank", "continuation"),
+              f"--train-memory must be full, blank or continuation, not {self.train_memory!r}")
+        self.eval_modes = [m.strip() for m in self.eval_memory.split(",") if m.strip()] or [self.train_memory]
         bad = [m for m in self.eval_modes if m not in MEMORY_MODES]
         check(self.eval_modes and not bad, f"--eval-memory: unknown {bad}; choose from {','.join(MEMORY_MODES)}")
         check("shuffle" not in self.eval_modes or self.eval_tasks > self.eval_stream_len,
               "--eval-memory shuffle needs 2 or more streams: make --eval-tasks larger than --eval-stream-len")
-        check(self.train_memory in ("full", "blank", "continuation"),
-              f"--train-memory must be full, blank or continuation, not {self.train_memory!r}")
         check(self.family in ("relay", "standard", "both"), f"--family must be relay, standard or both, not {self.family!r}")
         for name in ("steps", "eta", "num_workers", "train_ranks", "eval_tasks", "eval_every", "warmstart_tasks",
                      "extra_train_relay"):
@@ -165,6 +168,8 @@ class Config:
               f"--context-budget {self.context_budget} leaves no room for a task prompt and two replies of "
               f"{self.max_new_tokens} tokens: raise it or lower --max-new-tokens")
         check(1 <= self.num_minibatches <= self.batch_episodes, "--num-minibatches must be in [1, batch_episodes]")
+        if self.warmstart_lr == -1:
+            self.warmstart_lr = 2e-3 if self.model == "reader" else 5e-3
         for name in ("lr", "temperature", "warmstart_lr"):
             cli.check_number(name, getattr(self, name), lo=0, lo_open=True)
         cli.check_number("gamma", self.gamma, lo=0, hi=1, lo_open=True)
@@ -182,7 +187,7 @@ class Config:
         if not self.model.startswith(("tiny", "smollm2", "small")) and self.model != "reader":
             cli.check_model_dir(self.model)
         if self.warmstart_steps == -1:
-            self.warmstart_steps = 150 if self.model in LAPTOP_MODELS else 0
+            self.warmstart_steps = {"reader": 300, "small": 150}.get(self.model, 0)
         if self.warmstart_reading == -1:
             self.warmstart_reading = 0.5 if self.model == "reader" else 0.0
         check(0 <= self.warmstart_reading < 1, f"--warmstart-reading must be in [0, 1) or -1 (auto), got {self.warmstart_reading}")
@@ -286,7 +291,8 @@ def format_validity(cfg: Config, model, tokenizer, make_env, turns: int = 6) -> 
     n = bad = 0
     for name in cfg.weights:
         env = make_env(name)
-        eps = run_episodes(model, tokenizer, env, env.tasks("test")[:4], memory=memory_note(env, False),
+        eps = run_episodes(model, tokenizer, env, env.tasks("test")[:4],
+                           memory=memory_note(env, cfg.train_memory != "blank"),
                            temperature=0.0, max_turns=turns, max_new_tokens=cfg.max_new_tokens,
                            context_budget=cfg.context_budget)
         n += sum(ep.num_turns for ep in eps)
@@ -299,13 +305,14 @@ WARMSTART_CHECK_EVERY = 25        # imitation steps between two held-out format-
 
 
 def reading_rows(cfg: Config, tokenizer):
-    """n -> n rows of camg_reader.py's last phase (its rungs the tasks use, random words): the reading
-    rehearsed in each warm-start batch. Imitation alone erases a reader's reading (measured on RIME's:
-    lookups 1.00 -> 0.16 in 150 steps; with half of each batch rehearsal 0.69-0.89, docs/reader.md)."""
+    """n -> n rows of camg_reader.py's last stage's mix (the repeats stage: spans whose words repeat beside
+    the rungs the tasks use, random words): the reading rehearsed in each warm-start batch. Imitation alone
+    erases a reader's reading (measured on RIME's: lookups 1.00 -> 0.16 in 150 steps; with half of each
+    batch rehearsal 0.69-0.89, docs/reader.md)."""
     import camg_reader
     import pretrain
     data = camg_reader.Data(tokenizer, cfg.seed + 31_337)
-    mix = {r: w for r, w in camg_reader.PHASES[-1][2].items() if camg_reader.RUNGS[r]}
+    mix = camg_reader.REPEATS
     return lambda n: [(it.tokens, it.mask) for it in pretrain.step_items(data, mix, n)]
 
 

@@ -90,7 +90,10 @@ def reference_episodes(proto, tasks, tokenizer, cfg, carry: bool = True):
         for e in envs_:
             e.set_memory_files({})
         agents = [CarryingAgent(lambda t=t, e=e: e.reference_policy(t), carry) for t, e in zip(tasks, envs_)]
-        eps = run_reference(tokenizer, envs_, tasks, agents, [memory_note(e, False) for e in envs_],
+        # the first turn RL's streams show (RolloutWorker: the folder said to be kept for later tasks
+        # unless --train-memory blank), so that imitation and RL train on the same prompt
+        kept = cfg.train_memory != "blank"
+        eps = run_reference(tokenizer, envs_, tasks, agents, [memory_note(e, kept) for e in envs_],
                             context_budget=cfg.context_budget, max_turns=cfg.max_turns,
                             max_new_tokens=cfg.max_new_tokens)
         return eps, [reset_outcomes(e) for e in envs_]

@@ -103,8 +103,9 @@ def parser_for(cls, prog: str, description: str = "") -> argparse.ArgumentParser
             p.add_argument(flag(f.name), action="store_true", help=helptext)
         elif isinstance(default, list):
             p.add_argument(flag(f.name), action="append", default=None, help=helptext)
-        else:
-            p.add_argument(flag(f.name), type=type(default), default=default, metavar=f.name.upper(),
+        else:       # a float field whose default is written as an int (-1) still takes 0.7
+            kind = float if f.type in (float, "float") else type(default)
+            p.add_argument(flag(f.name), type=kind, default=default, metavar=f.name.upper(),
                            help=f"{helptext} (default {default})".strip())
     return p
 

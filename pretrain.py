@@ -790,7 +790,8 @@ def anneal(model, tok, args: Args, log, partial: Path, cool: dict, start: int, k
         data.rng.setstate(cool["rng"])
     end, first = cool["end"], start - cool["end"]
     # the cool-down watches the curriculum's rungs; a later stage also its own
-    watched = [r for r, used in course.rungs.items() if used and (r not in course.stage_only or r in weights)]
+    watched = [r for r, used in course.rungs.items()
+               if (used and r not in course.stage_only) or (r in course.stage_only and r in weights)]
     bar = tqdm(range(first, steps), desc=f"pretrain ({name})", initial=first, total=steps)
     t0 = time.time()
     for i in bar:

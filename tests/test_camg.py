@@ -136,9 +136,11 @@ def test_smoke_single_process_then_resume(tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert set(summary) == {"rl_effect", "per_env", "after_by_memory", "resets", "relay_stages", "wall_s"}
     # relay stages from a real evaluation: every held-out task of the default family is a relay task, each
-    # counted once, at one stage, before and after RL (in eval.json for every evaluation too)
+    # counted once, at one stage, before and after RL (in eval.json for every evaluation too). The default
+    # evaluates in the training's memory mode (blank): the first turn the policy was trained on
     relay = summary["relay_stages"]
-    for per_env in (relay["before_rl"], relay["after_rl"]["full"], *(r["relay_stages"]["full"] for r in jsonl(run / "eval.json"))):
+    assert list(summary["after_by_memory"]) == ["blank"] and "memory blank" in table
+    for per_env in (relay["before_rl"], relay["after_rl"]["blank"], *(r["relay_stages"]["blank"] for r in jsonl(run / "eval.json"))):
         assert set(per_env) == {"shop", "deepresearch", "autoresearch"}
         for counts in per_env.values():
             assert counts["relay_episodes"] == 2 and counts["not_relay"] == 0
@@ -495,7 +497,12 @@ def test_the_laptop_models_log_their_reading_ladder_around_the_warm_start(tmp_pa
     the reading pretraining and gets the same auto warm start."""
     import pretrain
     from ppo import Dist
-    assert tiny_cfg(tmp_path, model="reader").warmstart_steps == 150 == tiny_cfg(tmp_path, model="small").warmstart_steps
+    assert tiny_cfg(tmp_path, model="reader").warmstart_steps == 300 and tiny_cfg(tmp_path, model="small").warmstart_steps == 150
+    # the reader's warm start runs cooler: at 5e-3 it took the reader's copy rung 0.98 -> 0.25 (docs/camg.md)
+    assert tiny_cfg(tmp_path, model="reader").warmstart_lr == 2e-3 and tiny_cfg(tmp_path, model="small").warmstart_lr == 5e-3
+    assert tiny_cfg(tmp_path, model="reader", warmstart_lr=1e-3).warmstart_lr == 1e-3
+    # evaluation defaults to the training's memory mode, and follows --train-memory
+    assert tiny_cfg(tmp_path).eval_modes == ["blank"] and tiny_cfg(tmp_path, train_memory="full").eval_modes == ["full"]
     cfg = tiny_cfg(tmp_path, model="small", warmstart_steps=2)
     model, tok = camg.build_model("small", "cpu", 0)
     learner = Learner(model, value_head=True, lr=1e-3, gradient_checkpointing=False)
@@ -519,6 +526,8 @@ def test_warm_start_decays_its_lr_and_rehearses_the_reading(tmp_path, monkeypatc
     batch of 4 task rows gets 4 rows of camg_reader.py's rungs (the reading rehearsed), the default for
     --model reader; none for small, and the flag is refused for a model in another BPE."""
     assert tiny_cfg(tmp_path, model="reader").warmstart_reading == 0.5
+    # the flag takes a share as typed (its default, -1, is written as an int: it once refused 0.7)
+    assert camg.parse_args(["--model", "reader", "--warmstart-reading", "0.7"]).warmstart_reading == 0.7
     assert tiny_cfg(tmp_path, model="small").warmstart_reading == 0.0
     with pytest.raises(cli.ConfigError, match="--model small or reader"):
         tiny_cfg(tmp_path, model="tiny", warmstart_reading=0.5)
@@ -603,6 +612,28 @@ def test_extra_train_relay_adds_training_tasks_and_keeps_the_rest(name, groups):
     assert camg_worker.make_env("coding", "relay", 2).config == camg_worker.make_env("coding", "relay").config
     made = camg_worker.env_maker(camg.Config(extra_train_relay=2))(name)   # what camg.py's workers build
     assert [t.id for t in made.tasks("train")] == [t.id for t in more.tasks("train")]
+
+
+@pytest.mark.parametrize("train_memory,mode,kept", [("blank", "wiped", False), ("full", "wiped", True),
+                                                   ("blank", "full", True), ("blank", "blank", False)])
+def test_an_evaluation_shows_the_first_turn_of_its_memory_mode(monkeypatch, train_memory, mode, kept):
+    """The first user turn says the folder is kept for later tasks only in a mode that keeps it; wiped is
+    the training's mode plus the deletion. (A policy trained with blank and evaluated with full's first turn
+    wrote a note before opening DeepResearch's memo in 16 of 16 held-out relay episodes.)"""
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def capture(model, tok, envs_, tasks, memory, **kw):
+        seen.extend(memory)
+        raise Stop
+    monkeypatch.setattr(camg_eval, "run_episodes", capture)
+    cfg = camg.Config(model="tiny", env_weights="deepresearch=1", eval_tasks=2, train_memory=train_memory,
+                      eval_memory=mode)
+    with pytest.raises(Stop):
+        camg_eval.evaluate(cfg, None, None, mode, make_env=camg.env_maker(cfg))
+    assert seen and all((camg_memory.KEPT.strip() in m) == kept for m in seen)
 
 
 def test_wiped_mode_deletes_the_file_at_each_reset_and_then_the_reference_fails():

@@ -111,6 +111,21 @@ def test_the_data_never_reads_an_environment(fresh, monkeypatch):
             getattr(data, rung)()
 
 
+def test_a_span_repeats_its_words(fresh):
+    """The span rung's point: most of its words follow a word that occurs elsewhere in the span, so that
+    copying by the token before is not enough (the keyed carry's note has the same shape)."""
+    _, tok = fresh
+    data, ambiguous, total = camg_reader.Data(tok, seed=8), 0, 0
+    for _ in range(50):
+        it = data.span()
+        words = tok.decode([t for t, m in zip(it.tokens, it.mask) if m]).split()
+        assert len(set(words)) <= 5 and 6 <= len(words) <= 14
+        assert tok.decode(it.tokens).endswith("again: " + " ".join(words))
+        ambiguous += sum(words.count(w) > 1 for w in words[:-1])
+        total += len(words) - 1
+    assert ambiguous / total > 0.7
+
+
 def test_an_untrained_model_is_at_chance(fresh):
     model, tok = fresh
     result = pretrain.ladder(model, tok, num_items=16, course=camg_reader.COURSE)
@@ -121,10 +136,11 @@ def test_an_untrained_model_is_at_chance(fresh):
 
 
 def test_a_short_build_runs_resumes_and_is_found_in_the_cache(tmp_path, monkeypatch):
-    """The course through pretrain.py's loop: 6 curriculum steps and a 3-step cool-down, killed after step 4
-    and resumed from its step-3 checkpoint; the finished reader is found by its recipe in the cache."""
+    """The course through pretrain.py's loop: 6 curriculum steps, a 3-step cool-down and a 2-step repeats
+    stage, killed after step 4 and resumed from its step-3 checkpoint; the finished reader is found by its
+    recipe in the cache."""
     monkeypatch.setenv("RIME_CACHE", str(tmp_path))
-    args = camg_reader.Args(steps=6, anneal_steps=3, batch=4, eval_items=2, checkpoint_every=3)
+    args = camg_reader.Args(steps=6, anneal_steps=3, repeat_steps=2, batch=4, eval_items=2, checkpoint_every=3)
     out = pretrain.cache_dir(args, camg_reader.COURSE)
     assert out.parent.name == "camg_reader"
     real_step, calls = pretrain.train_step, []
@@ -141,8 +157,8 @@ def test_a_short_build_runs_resumes_and_is_found_in_the_cache(tmp_path, monkeypa
     monkeypatch.setattr(pretrain, "train_step", real_step)
     assert pretrain.reader_dir(args, course=camg_reader.COURSE) == out       # resumes the build
     rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 10))
-    assert [r["phase"] for r in rows[6:]] == ["cool-down"] * 3
+    assert [r["step"] for r in rows] == list(range(1, 12))
+    assert [r["phase"] for r in rows[6:]] == ["cool-down"] * 3 + ["repeats"] * 2
     assert json.loads((out / "recipe.json").read_text()) == pretrain.recipe(args, camg_reader.COURSE)
     assert set(json.loads((out / "ladder.json").read_text())) == set(camg_reader.RUNGS)
     # the default recipe is another key: RIME's reader and CAMG's never share a cache entry
