@@ -106,14 +106,15 @@ class Data(pretrain.Data):
     # --- the rungs
 
     def copy(self) -> Item:
-        ws = self.phrase(2, 8)
+        return self.copy_of(self.phrase(2, 8))
+
+    def copy_of(self, ws: str) -> Item:
         return self.text_item("copy: " + ws + "\nagain:", " " + ws, 0.0)
 
     def span(self) -> Item:
         """A span of 6-14 words drawn with replacement from 3-5 distinct random words, repeated."""
         vocab = self.words(self.rng.randint(3, 5))
-        ws = " ".join(self.rng.choice(vocab) for _ in range(self.rng.randint(6, 14)))
-        return self.text_item("copy: " + ws + "\nagain:", " " + ws, 0.0)
+        return self.copy_of(" ".join(self.rng.choice(vocab) for _ in range(self.rng.randint(6, 14))))
 
     def note(self):
         """A Shop-shaped note: 2-9 things with 1-2 attributes each, one "- thing attr value" line per
