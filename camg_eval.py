@@ -74,9 +74,11 @@ def evaluate(cfg, model, tokenizer, mode: str, rank: int = 0, world: int = 1, ma
     always has a partner of the same environment. cfg: camg.Config (weights, eval_tasks,
     eval_stream_len, seed, max_turns, max_new_tokens, context_budget)."""
     streams, results = [], {}       # streams: (env name, env instance, tasks)
-    # wiped is the training's memory mode (the first turn the policy trained on) with CONTINUATION.md deleted
-    # at each reset: only the deletion differs from the evaluation it is set against
-    between = getattr(cfg, "train_memory", "full") if mode == "wiped" else mode
+    # every mode shows the first turn the policy trained on (whether the folder is said to be kept follows
+    # the training's mode), so that a mode changes only what the folder holds; wiped is the training's
+    # mode between tasks with CONTINUATION.md deleted at each reset
+    trained = getattr(cfg, "train_memory", "full")
+    between, kept = (trained if mode == "wiped" else mode), trained != "blank"
     try:
         for name in cfg.weights:
             proto = make_env(name)
@@ -101,7 +103,7 @@ def evaluate(cfg, model, tokenizer, mode: str, rank: int = 0, world: int = 1, ma
             live = [st for st in streams if pos < len(st[2])]
             envs_ = [e for _, e, _ in live]
             eps = run_episodes(model, tokenizer, envs_, [s[pos] for _, _, s in live],
-                               memory=[memory_note(e, between != "blank") for e in envs_], temperature=0.0,
+                               memory=[memory_note(e, kept) for e in envs_], temperature=0.0,
                                seed=cfg.seed, max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens,
                                context_budget=cfg.context_budget)
             samples = to_samples(eps, [n for n, _, _ in live], 0, -1, 0.0, envs_)

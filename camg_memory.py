@@ -3,7 +3,8 @@ the CONTINUATION.md reset protocol inside an episode, as camg.py runs and record
 
 Between tasks (`apply_memory_mode`, `memory_note`): full keeps `.agent_memory/`, blank empties it,
 continuation keeps only CONTINUATION.md, shuffle swaps in another stream's folder (the ablations);
-a task's first user turn lists the saved files' paths, never their contents. One mode acts inside the
+a task's first user turn lists the saved files' paths, never their contents (camg_eval: in every mode the
+first turn the policy trained on, the words of the training's mode). One mode acts inside the
 episode: wiped is the training's mode between tasks (camg_eval: the first turn the policy trained on)
 and deletes CONTINUATION.md at every context reset (`ProtocolEnv(wipe_at_reset=True)`), so a success that needs the file's content fails.
 

@@ -615,11 +615,13 @@ def test_extra_train_relay_adds_training_tasks_and_keeps_the_rest(name, groups):
 
 
 @pytest.mark.parametrize("train_memory,mode,kept", [("blank", "wiped", False), ("full", "wiped", True),
-                                                   ("blank", "full", True), ("blank", "blank", False)])
-def test_an_evaluation_shows_the_first_turn_of_its_memory_mode(monkeypatch, train_memory, mode, kept):
-    """The first user turn says the folder is kept for later tasks only in a mode that keeps it; wiped is
-    the training's mode plus the deletion. (A policy trained with blank and evaluated with full's first turn
-    wrote a note before opening DeepResearch's memo in 16 of 16 held-out relay episodes.)"""
+                                                   ("blank", "full", False), ("blank", "blank", False),
+                                                   ("full", "blank", True), ("full", "full", True)])
+def test_an_evaluation_shows_the_first_turn_the_policy_trained_on(monkeypatch, train_memory, mode, kept):
+    """Whether the first user turn says the folder is kept for later tasks follows the training's memory
+    mode, whatever mode is evaluated: a mode changes what the folder holds, not the words. (A policy
+    trained with blank and evaluated with full's first turn wrote a note before opening DeepResearch's memo
+    in 16 of 16 held-out relay episodes.)"""
     seen = []
 
     class Stop(Exception):
