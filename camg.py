@@ -13,8 +13,9 @@ episodes hit at least one CONTINUATION.md reset, on the relay task family of eac
 seen early, e.g. a shopping note, a memo or a CI report shown once, is needed after the reset: the task
 is solved only if the policy writes it down before the reset and reads it back after). Memory across the tasks
 of a stream is an option (--family standard|both, --train-memory full, --eval-stream-len > 1), not the
-default. The model "small" is a 1.9M Qwen3 with a BPE trained on the environments' text; a warm start
-imitates the reference policies through the same rollout protocol before RL (see warm_start).
+default. The default model, "reader", is "small" (a 1.9M Qwen3 with a BPE trained on the environments' text)
+after camg_reader.py's reading pretraining (shipped in weights/camg_reader/); a warm start imitates the
+reference policies through the same rollout protocol before RL (see warm_start).
 
 --run-dir gets config.json, metrics.jsonl (per update: reward parts per env, approx_kl, clipfrac, entropy,
 value loss, explained variance, grad norm, tokens/s, staleness, the reset protocol's shares), episodes.jsonl
@@ -90,8 +91,9 @@ LAPTOP_MODELS = ("small", "reader")    # the laptop models: camg_reader.py's BPE
 
 @dataclass
 class Config:
-    model: str = "small"            # small (1.9M qwen3, BPE on the envs' text) | reader (small after camg_reader.py's
-                                    # reading pretraining) | tiny (~1M random qwen3) |
+    model: str = "reader"           # reader (small after camg_reader.py's reading pretraining, shipped in
+                                    # weights/camg_reader/) | small (1.9M qwen3, BPE on the envs' text, random
+                                    # weights) | tiny (~1M random qwen3) |
                                     # tiny-<arch> (qwen3 / qwen3_5 / llama) | smollm2 | an HF dir
     run_dir: str = "runs/camg"      # config, metrics, episodes, checkpoint, eval, summary
     resume: bool = True             # resume from run_dir/ckpt when it exists (--no-resume: start over)

@@ -497,6 +497,7 @@ def test_the_laptop_models_log_their_reading_ladder_around_the_warm_start(tmp_pa
     the reading pretraining and gets the same auto warm start."""
     import pretrain
     from ppo import Dist
+    assert camg.Config().model == "reader"      # the default: the shipped reader
     assert tiny_cfg(tmp_path, model="reader").warmstart_steps == 300 and tiny_cfg(tmp_path, model="small").warmstart_steps == 150
     # the reader's warm start runs cooler: at 5e-3 it took the reader's copy rung 0.98 -> 0.25 (docs/camg.md)
     assert tiny_cfg(tmp_path, model="reader").warmstart_lr == 2e-3 and tiny_cfg(tmp_path, model="small").warmstart_lr == 5e-3
