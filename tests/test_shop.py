@@ -235,3 +235,37 @@ def test_relay_reference_reads_the_note_and_its_own_carried_lines():
             assert action != "click[note]" and fresh.notes()[:len(opts)] == carried[:len(opts)]
     finally:
         env.close()
+
+
+def test_reference_search_copies_the_instruction_then_the_options():
+    """The reference's query is the instruction's own words for the product, as one span in its order, then
+    the option values in the note's order, so a small model imitating it copies a span rather than
+    reordering words; the words no listing holds ("that", "is", "and") leave BM25's results as they were
+    with the bare words."""
+    import shop
+    env = ShopEnv(seed=0, relay_per_shopper=1, tasks_per_shopper=3)
+    try:
+        for task in env.tasks("test")[:16]:
+            goal = task.data["goal"]
+            policy = env.reference_policy(task)
+            query = next(a for a in trajectory(env, task, policy) if a.startswith("search["))[len("search[ "):-1]
+            product = f"{goal['category']} that is {' and '.join(goal['attributes'])}"
+            assert f"buy an {product};" in goal["instruction"] or f"buy a {product};" in goal["instruction"]
+            assert query.startswith(product)
+            if "note" in task.data:                      # a relay task: every option comes from the note
+                assert query[len(product):].split() == list(goal["options"].values())
+            bare = " ".join(goal["attributes"] + [goal["category"]] + query[len(product):].split())
+            assert env.bm25.search(query, 50) == env.bm25.search(bare, 50)
+    finally:
+        env.close()
+
+
+def trajectory(env, task, policy, max_steps: int = 30) -> list[str]:
+    """The reference's actions on one task, to the end of the episode."""
+    obs, actions = env.reset(task), []
+    for _ in range(max_steps):
+        actions.append(policy(obs))
+        obs, _, done = env.step(actions[-1])
+        if done:
+            break
+    return actions
