@@ -53,8 +53,8 @@ class Args(pretrain.Args):
 
 
 def new_model(seed: int):
-    """camg.py's "small" model with random weights: a 1.9M Qwen3 and its BPE trained on the environments'
-    text (camg_worker.build_model)."""
+    """camg.py's "small" model with random weights: a 1.9M Qwen3 and its BPE (trained on the environments'
+    text, pinned in weights/camg_bpe.json) (camg_worker.build_model)."""
     import camg_worker
     return camg_worker.build_model("small", "cpu", seed)
 
@@ -260,8 +260,8 @@ def load(build_if_missing: bool = True):
     d = pretrain.reader_dir(Args(), build_if_missing, COURSE)
     tok = load_tokenizer(d)
     if tok.get_vocab() != camg_worker.small_tokenizer().get_vocab():   # the workers decode with this one
-        raise SystemExit(f"camg_reader: {d} has another BPE than camg.py's (it is trained on the environments' "
-                         "text, which has changed since): bump camg_reader.VERSION and rebuild")
+        raise SystemExit(f"camg_reader: {d} has another BPE than camg.py's ({camg_worker.BPE_PATH}): "
+                         "bump camg_reader.VERSION and rebuild")
     return load_dir(d), tok
 
 

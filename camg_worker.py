@@ -15,6 +15,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -24,6 +25,7 @@ from camg_eval import by_group
 from camg_memory import (KEPT, NO_MEMORY, CarryingAgent, ProtocolEnv, apply_memory_mode, memory_note,
                          reset_outcomes, run_reference)
 from exchange import Exchange, Sample, session_dir, to_samples
+from checkpoint_io import chat_tokenizer
 from model import build_tokenizer, load_named, tiny
 from rollout import run_episodes
 
@@ -48,9 +50,15 @@ def env_maker(cfg):
     return lambda name: make_env(name, cfg.family, cfg.extra_train_relay)
 
 
+# the "small" model's BPE, trained once on domain_text and pinned: an environment's wording may change after
+# (e.g. a reference policy's query, 2026-12-05) without invalidating the reader built on it (camg_reader.py)
+BPE_PATH = Path(__file__).resolve().parent / "weights" / "camg_bpe.json"
+
+
 def domain_text(seed: int = 99) -> str:
     """Deterministic sample of what the small model reads and writes: the reference policies' relay and
-    standard episodes (observations and actions) and the protocol prompts; its BPE is trained on it."""
+    standard episodes (observations and actions) and the protocol prompts; its BPE was trained on it
+    (train_small_bpe)."""
     parts = [rollout.ACTOR_SYSTEM, rollout.CONTINUATION_PROMPT, rollout.MEMORY_HEADER, NO_MEMORY + KEPT]
     for name in (n for n in RELAY if n != "coding"):   # a coding episode grades in a sandbox (seconds): left out
         env = make_env(name, "both")
@@ -60,10 +68,20 @@ def domain_text(seed: int = 99) -> str:
     return "\n".join(parts)
 
 
+def train_small_bpe(path: Path | None = None):
+    """A new BPE (2048 tokens) trained on today's domain_text, written to path (its JSON) when given. To
+    move the small model to it: write it to BPE_PATH, bump camg_reader.VERSION and rebuild the reader."""
+    tok = build_tokenizer(2048, extra_text=domain_text())
+    if path is not None:
+        Path(path).write_text(tok.backend_tokenizer.to_str())
+    return tok
+
+
 @functools.lru_cache(maxsize=1)
 def small_tokenizer():
-    """The "small" model's BPE (2048 tokens), trained on domain_text (once per process)."""
-    return build_tokenizer(2048, extra_text=domain_text())
+    """The "small" model's BPE (2048 tokens), read from BPE_PATH (once per process)."""
+    from tokenizers import Tokenizer
+    return chat_tokenizer(Tokenizer.from_file(str(BPE_PATH)))
 
 
 def build_model(name: str, device, seed: int):

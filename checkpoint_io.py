@@ -143,12 +143,18 @@ def build_tokenizer(vocab_size: int = 1024, extra_text: str = ""):
     """Byte-level BPE trained deterministically on TOKENIZER_TEXT (+ extra_text, e.g. a domain's
     observations, so they take fewer tokens), with ChatML specials; no network."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([TOKENIZER_TEXT] * 4 + ([extra_text] if extra_text else []), trainer=trainer)
+    return chat_tokenizer(tok)
+
+
+def chat_tokenizer(tok):
+    """A trained `tokenizers.Tokenizer` (build_tokenizer's, or one read back from its JSON) as the
+    transformers tokenizer the models use: ChatML specials and chat template."""
+    from transformers import PreTrainedTokenizerFast
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    chat_template=CHAT_TEMPLATE, model_max_length=4096)

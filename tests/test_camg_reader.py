@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import camg_memory
+import camg_worker
 import camg_reader
 import envs
 import pretrain
@@ -181,7 +182,27 @@ def test_the_shipped_reader_is_this_recipe_and_reads():
 
 def test_a_reader_of_another_bpe_is_refused(monkeypatch):
     """camg.py's rollout workers decode with camg_worker's BPE, so a reader built on another (here rime.py's,
-    as after a change to the environments' text) stops with a clear message instead of garbling every action."""
+    as after a new weights/camg_bpe.json) stops with a clear message instead of garbling every action."""
     monkeypatch.setattr(pretrain, "reader_dir", lambda *a, **k: pretrain.READER.shipped)
     with pytest.raises(SystemExit, match="another BPE"):
         camg_reader.load(build_if_missing=False)
+
+
+def test_the_small_bpe_is_pinned_and_retrains_deterministically(tmp_path):
+    """camg.py's BPE is read from weights/camg_bpe.json, so a change to an environment's wording does not
+    change it (and so the shipped reader stays valid); train_small_bpe trains one on today's environment
+    text, written as a file that reads back as the same tokenizer."""
+    tok = camg_worker.small_tokenizer()
+    assert len(tok) == 2048 and tok.get_vocab() == camg_reader.load(build_if_missing=False)[1].get_vocab()
+    fresh = camg_worker.train_small_bpe(tmp_path / "bpe.json")
+    camg_worker.small_tokenizer.cache_clear()
+    try:
+        camg_worker.BPE_PATH, old = tmp_path / "bpe.json", camg_worker.BPE_PATH
+        again = camg_worker.small_tokenizer()
+    finally:
+        camg_worker.BPE_PATH = old
+        camg_worker.small_tokenizer.cache_clear()
+    text = camg_worker.domain_text()[:5000]
+    assert again.get_vocab() == fresh.get_vocab() and again.encode(text) == fresh.encode(text)
+    assert again.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == \
+        tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
