@@ -440,7 +440,7 @@ def browse(st: dict, goal: dict, prefs: dict, obs: str) -> str:
                     and title.endswith(" " + goal["category"]))
             if pid not in st["tried"] and (fits or st["fallback"]):
                 st["tried"].add(pid)
-                return f"click[ {pid}]"
+                return f"click[{pid}]"      # the page's own tokens: "[B12345]"
         m = re.search(r"\(page (\d+)/(\d+)\)", obs)
         st["pages_seen"] += 1
         if m and int(m.group(1)) < int(m.group(2)) and st["pages_seen"] < 4:
