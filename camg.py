@@ -541,16 +541,37 @@ def run_eval(run: Run, label: str, modes: list[str]) -> dict:
     return out
 
 
+def before_key(cfg: Config) -> dict:
+    """What a before-RL evaluation depends on besides the weights (kept beside it, compared on resume).
+    first_turn: since 2026-12-05 every mode shows the first turn the policy trained on (camg_eval)."""
+    return {"mode": cfg.eval_modes[0], "train_memory": cfg.train_memory, "eval_tasks": cfg.eval_tasks,
+            "eval_stream_len": cfg.eval_stream_len, "first_turn": "trained"}
+
+
+def stored_before(saved, cfg: Config, path) -> dict:
+    """The before-RL results kept in eval_before.pkl, if they were made as this run would make them; else a
+    one-line error (the weights before RL are gone, so they cannot be remade: pairing them with an
+    evaluation of another kind would report a difference that RL did not make)."""
+    key = saved.get("key") if isinstance(saved, dict) and "results" in saved else None
+    if key != before_key(cfg):
+        made = "by an older camg.py (another first turn)" if key is None else \
+            ", ".join(f"{k} {v!r}" for k, v in key.items() if before_key(cfg).get(k) != v)
+        cli.fail("camg.py", f"{path} (held-out success before RL) was made {'with ' if key else ''}{made}, which this "
+                 "run would evaluate otherwise: rerun with the flags that made it, use --eval-only for another "
+                 "evaluation, or start over with --no-resume")
+    return saved["results"]
+
+
 def before_rl(run: Run):
     """Held-out success before RL (after the warm start), kept in the run dir so a resumed run pairs with it."""
     path = run.run_dir / "eval_before.pkl"
     if path.exists() and run.cfg.eval_tasks and not run.cfg.eval_only:   # rerunning a finished run pairs with it too
-        return torch.load(path, weights_only=False)
+        return stored_before(torch.load(path, weights_only=False), run.cfg, path)
     if not run.training or not run.cfg.eval_tasks:
         return None
     before = run_eval(run, "before RL", run.cfg.eval_modes[:1])[run.cfg.eval_modes[0]]
     if run.d.is_main:
-        torch.save(before, path)
+        torch.save({"key": before_key(run.cfg), "results": before}, path)
     return before
 
 

@@ -117,7 +117,7 @@ def actions_always(monkeypatch):
 # ----------------------------------------------------------------------------- smoke runs (subprocess)
 
 
-def test_smoke_single_process_then_resume(tmp_path):
+def test_smoke_single_process_then_resume(tmp_path, capsys):
     run = tmp_path / "run"
     out = run_camg("--model", "tiny", "--steps", "2", "--num_workers", "0", "--run_dir", str(run), "--eval-tasks", "2",
                    "--max-turns", "3", "--max-new-tokens", "16", "--batch-episodes", "2", "--rollout-batch", "2")
@@ -171,6 +171,19 @@ def test_smoke_single_process_then_resume(tmp_path):
                            "--eval-tasks", "2", "--max-turns", "3", "--max-new-tokens", "16"])
     camg.learner_main(cfg, camg.Dist())
     assert json.loads((run / "summary.json").read_text())["rl_effect"]["tasks"] == 6
+    # ... but not one evaluated otherwise: the weights before RL are gone, so the pairing is refused in one line
+    stored = torch.load(run / "eval_before.pkl", weights_only=False)
+    assert stored["key"] == camg.before_key(cfg) and stored["results"]
+    other = camg.parse_args(["--model", "tiny", "--steps", "3", "--num_workers", "0", "--run_dir", str(run),
+                             "--eval-tasks", "2", "--max-turns", "3", "--max-new-tokens", "16", "--eval-memory", "full"])
+    with pytest.raises(SystemExit) as e:
+        camg.learner_main(other, camg.Dist())
+    assert e.value.code == 2 and "eval_before.pkl (held-out success before RL) was made with mode 'blank'" in capsys.readouterr().err
+    torch.save(stored["results"], run / "eval_before.pkl")       # a run dir of a camg.py before the key
+    for c in (cfg, other):
+        with pytest.raises(SystemExit):
+            camg.stored_before(stored["results"], c, run / "eval_before.pkl")
+    assert camg.stored_before(stored, cfg, run / "eval_before.pkl") == stored["results"]
 
 
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")
