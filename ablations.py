@@ -185,17 +185,21 @@ def rime_ablations(args: list) -> None:
 # -----------------------------------------------------------------------------
 # CAMG: python bench.py camg-ablations
 
-# (name, run dir, camg.py flags of that run, the figure it reads, the published row, the paper's direction).
-# The blank-memory variant trains nothing: it is the full runs' own evaluation with the saved memory
-# blanked (summary.json's after_by_memory["blank"]), which is why the full runs evaluate both modes.
+# (name, run dir, camg.py flags of that run, the figure it reads, the published row or None, the direction).
+# The blank-memory and wiped variants train nothing: they are the full runs' own evaluations with the saved
+# memory blanked between tasks, or CONTINUATION.md deleted at each reset inside an episode (summary.json's
+# after_by_memory["blank"] / ["wiped"]), which is why the full runs evaluate three modes. The paper has no
+# wiped row: it asks whether the successes need what the file says.
 # Every run keeps memory across the tasks of a stream (camg.py's default blanks it between tasks, and then
 # "blank saved memory" would be the full run itself): both task families, 4-task evaluation streams.
 CAMG_BASE = ["--family", "both", "--train-memory", "full", "--eval-stream-len", "4"]
 CAMG_ABLATIONS = [
-    ("full", "full", ["--eval-memory", "full,blank"], "full",
+    ("full", "full", ["--eval-memory", "full,blank,wiped"], "full",
      "CAMG-RL-4B", "the reference"),
     ("blank memory at evaluation", "full", None, "blank",
      "CAMG-RL-4B, blank saved memory at evaluation", "below full (the paper: about 14 points lower)"),
+    ("CONTINUATION.md wiped at each reset", "full", None, "wiped",
+     None, "below full where a success needs the file (no published row)"),
     ("continuation-only training", "continuation_only", ["--train-memory", "continuation"], "full",
      "CAMG-RL-4B, trained with only the continuation file", "below full (the paper: 41.8 vs 54.4)"),
     ("no gradients through memory actions", "no_memory_gradients", ["--mask-memory-actions"], "full",
@@ -240,11 +244,12 @@ def camg_ablations(args: list) -> None:
             failures.append(f"{name}: {len(figures[name]) - len(after)} finished run(s) of {run} have no "
                             f"after_by_memory[{mode!r}] in summary.json")
         vs_full = [after[s] - full[s] for s in after if s in full] if name != "full" else []
-        row = published.camg_row(paper)
+        row = published.camg_row(paper) if paper else None
         rows.append([name, len(after), mean_std(after.values(), 100, ""),
                      mean_std([f[1] for f in figures[name].values()], 100),
                      mean_std(vs_full, 100) if name != "full" else "-",
-                     f"{row['values']['avg']:.1f}", published.source_cell(row), direction])
+                     f"{row['values']['avg']:.1f}" if row else "—", published.source_cell(row) if row else "ours",
+                     direction])
     table = md_table(["variant", "seeds", "success after RL, % (mean ± std)", "RL effect, points",
                       "vs full, points", "published avg % †", "source", "the paper's direction"], rows)
     table += ("\n\n† CAMG paper, CAMG-RL-4B (128 test tasks per environment, 200 updates); published, not measured "
@@ -252,7 +257,7 @@ def camg_ablations(args: list) -> None:
     scatter_plot(root / "camg_ablations.png", [v[0] for v in chosen],
                  {n: [100 * x[0] for x in f.values() if x[0] is not None] for n, f in figures.items()},
                  "held-out success after RL (%)",
-                 marks={v[0]: published.camg_row(v[4])["values"]["avg"] for v in chosen})
+                 marks={v[0]: published.camg_row(v[4])["values"]["avg"] for v in chosen if v[4]})
     results = {name: {f"seed{s}": {"success_after": f[0], "rl_effect": f[1]} for s, f in figures[name].items()}
                for name in figures}
     results["summaries"] = {f"{run}/seed{s}": summary for (run, s), summary in summaries.items()}

@@ -504,7 +504,7 @@ if os.environ.get("FAKE_CAMG_FAIL") == f"{variant}:{a.seed}":
 after = {"full": 0.5, "continuation": 0.4, "mask": 0.2}[variant] + 0.01 * a.seed
 effect = {"success_before": 0.1, "success_after": after, "delta": after - 0.1, "ci95": [0.0, 0.6], "tasks": 16}
 summary = {"rl_effect": effect, "per_env": {"shop": effect},
-           "after_by_memory": {m: {"success": after - (0.15 if m == "blank" else 0.0), "per_env": {}}
+           "after_by_memory": {m: {"success": after - {"blank": 0.15, "wiped": 0.3}.get(m, 0.0), "per_env": {}}
                                for m in a.eval_memory.split(",")}, "resets": {}, "wall_s": 1.0}
 Path(a.run_dir).mkdir(parents=True, exist_ok=True)
 (Path(a.run_dir) / "summary.json").write_text(json.dumps(summary))
@@ -513,7 +513,8 @@ Path(a.run_dir).mkdir(parents=True, exist_ok=True)
 
 def test_camg_ablations_table_resumes_and_reports_a_failed_run(tmp_path, monkeypatch, capsys):
     """camg-ablations with a stand-in camg.py that writes summary.json: the table has mean ± std of
-    each variant (blank memory read from the full runs' own evaluation, no training of its own) beside
+    each variant (blank memory and the wiped file read from the full runs' own evaluations, no training of
+    their own) beside
     the published average and its source; a failed run is one error line (exit 2) and the others still
     count; a rerun runs only what did not finish."""
     import ablations
@@ -536,12 +537,14 @@ def test_camg_ablations_table_resumes_and_reports_a_failed_run(tmp_path, monkeyp
                                 "(boom: the learner ran out of memory); log: ")
     assert errors[1].startswith("bench.py camg-ablations: error: 1 run(s) failed")
     made = calls.read_text().splitlines()
-    assert sorted(made) == sorted([f"full {s} full,blank" for s in range(3)] + [f"continuation {s} full" for s in range(3)]
+    assert sorted(made) == sorted([f"full {s} full,blank,wiped" for s in range(3)] + [f"continuation {s} full" for s in range(3)]
                                   + [f"mask {s} full" for s in range(3)]), "3 seeds of 3 runs; blank trains nothing"
     rows = {l.split("|")[1].strip(): l for l in captured.out.splitlines() if l.startswith("| ")}
     assert rows["full"].startswith("| full | 3 | 51.00 ± 1.00 | +41.00 ± 1.00 | - | 54.4 | released figures |")
     assert rows["blank memory at evaluation"].startswith(
         "| blank memory at evaluation | 3 | 36.00 ± 1.00 | n/a | -15.00 ± 0.00 | 40.3 | derived | below full")
+    assert rows["CONTINUATION.md wiped at each reset"].startswith(
+        "| CONTINUATION.md wiped at each reset | 3 | 21.00 ± 1.00 | n/a | -30.00 ± 0.00 | — | ours | below full")
     assert rows["continuation-only training"].startswith(
         "| continuation-only training | 3 | 41.00 ± 1.00 | +31.00 ± 1.00 | -10.00 ± 0.00 | 41.8 | released figures |")
     assert rows["no gradients through memory actions"].startswith(   # seeds 0 and 2 (seed 1 failed)
