@@ -384,7 +384,7 @@ def chain_step(st: dict, obs: str, facts_file: str | None) -> str:
         for doc_id, title in re.findall(r"^\[(d\d+)\] (.+)$", obs, re.M):
             if title == want:
                 st["stage"] = "open"
-                return f"open[ {doc_id}]"
+                return f"open[{doc_id}]"       # the results' own tokens: "[d0123]"
     elif st["stage"] == "open":
         m = re.search(PATTERNS[rel], obs)
         if m:

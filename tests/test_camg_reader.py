@@ -82,21 +82,28 @@ def test_reread_uses_what_the_file_says(fresh):
 
 
 @pytest.mark.parametrize("name", ["shop", "deepresearch"])
-def test_the_reference_policies_write_what_they_read_after_a_space(name):
-    """The reread rung's wording is the reference policies': an argument taken from an observation follows
-    `[ `, so it is the tokens it was where it was read (after `[` the BPE spells a word otherwise)."""
+def test_the_reference_policies_write_what_they_read_in_its_own_tokens(name):
+    """The reread rung's wording is the reference policies': an argument taken from an observation starts
+    as it did where it was read, so it is the same tokens (the BPE spells a word after `[` otherwise than
+    after a space): a word read after a space follows `[ ` (one space); Shop's item id, shown as
+    `[B12345]`, follows `[`."""
     import camg_worker
     import rollout
     env = camg_worker.make_env(name)
     try:
         task = next(t for t in env.tasks("train") if env.relay_fact(t))
-        actions = [p[len("<action>"):-len("</action>")] for p in rollout.scripted_text(env, task, env.reference_policy(task))
-                   if p.startswith("<action>")]
+        parts = rollout.scripted_text(env, task, env.reference_policy(task))
     finally:
         env.close()
+    actions = [p[len("<action>"):-len("</action>")] for p in parts if p.startswith("<action>")]
+    seen = "\n".join(p for p in parts if not p.startswith("<action>"))
     args = [m.group(1) for a in actions for m in [re.fullmatch(r"\w+\[(.*)\]", a)] if m]
     taken = [a for a in args if a.strip() not in ("", "note", "next", "prev", "back")]
-    assert taken and all(a.startswith(" ") and not a.startswith("  ") for a in taken), actions
+    assert taken, actions
+    for a in taken:
+        first = a.split()[0]
+        assert not a.startswith("  ") and (f" {first}" if a.startswith(" ") else f"[{first}") in seen, (a, actions)
+    assert name != "shop" or any(not a.startswith(" ") for a in taken), "Shop's reference clicks an item id"
 
 
 def test_the_data_never_reads_an_environment(fresh, monkeypatch):
