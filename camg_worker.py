@@ -25,8 +25,7 @@ from camg_eval import by_group
 from camg_memory import (KEPT, NO_MEMORY, CarryingAgent, ProtocolEnv, apply_memory_mode, memory_note,
                          reset_outcomes, run_reference)
 from exchange import Exchange, Sample, session_dir, to_samples
-from checkpoint_io import chat_tokenizer
-from model import build_tokenizer, load_named, tiny
+from model import build_tokenizer, chat_tokenizer, load_named, tiny
 from rollout import run_episodes
 
 # relay tasks per group of each environment's relay family (--family relay | both)

@@ -54,7 +54,8 @@ from model_config import ModelConfig
 # the gated delta rule of Qwen3.5's DeltaNet layers (gated_delta.py): token by token, one decode step, in chunks
 from gated_delta import chunk_gated_delta_rule, gated_delta_step_, recurrent_gated_delta_rule
 # the checkpoint files and the offline tokenizer (checkpoint_io.py); save and build_tokenizer are re-exported (model.save(...))
-from checkpoint_io import build_tokenizer, check_weights, hf_to_ours, read_config_json, read_safetensors, save  # noqa: F401
+from checkpoint_io import (build_tokenizer, chat_tokenizer, check_weights, hf_to_ours, read_config_json,  # noqa: F401
+                           read_safetensors, save)
 
 try:  # the GPU path; CPU machines use PyTorch SDPA
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
