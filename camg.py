@@ -98,7 +98,7 @@ class Config:
     run_dir: str = "runs/camg"      # config, metrics, episodes, checkpoint, eval, summary
     resume: bool = True             # resume from run_dir/ckpt when it exists (--no-resume: start over)
     seed: int = 0
-    steps: int = 10                 # PPO updates (the paper: 200)
+    steps: int = 10                 # PPO updates (the paper: 200); 0 = the warm start and its evaluation
     env_weights: str = "shop=1,coding=0,deepresearch=1,autoresearch=1"   # episode mix; 0 leaves an env out (coding: opt in, each episode grades in a sandbox)
     family: str = "relay"           # task family: relay (facts cross a context reset) | standard (facts
                                     # cross the tasks of a stream) | both
@@ -511,15 +511,19 @@ def log_ladder(run: Run, when: str) -> None:
 
 def warm_start_phase(run: Run) -> None:
     """Before RL (not when resuming: the checkpoint has it): the imitation warm start, logged to
-    warmstart.jsonl, with the reading ladder before and after it (the laptop models)."""
-    if run.training and not run.resuming and run.cfg.warmstart_steps:
-        ladder = run.d.is_main and run.cfg.model in LAPTOP_MODELS
+    warmstart.jsonl, with the reading ladder before and after it (the laptop models). With --steps 0 the
+    run is the warm start and its evaluation, checkpointed at step 0 so that a rerun only evaluates."""
+    cfg = run.cfg
+    if (run.training or cfg.steps == 0) and not cfg.eval_only and not run.resuming and cfg.warmstart_steps:
+        ladder = run.d.is_main and cfg.model in LAPTOP_MODELS
         if ladder:
             log_ladder(run, "before the warm start")
-        out = warm_start(run.cfg, run.learner, run.tokenizer, run.make_env, lambda r: run.append("warmstart.jsonl", r))
+        out = warm_start(cfg, run.learner, run.tokenizer, run.make_env, lambda r: run.append("warmstart.jsonl", r))
         run.append("warmstart.jsonl", {"final": True, **out})
         if ladder:
             log_ladder(run, "after the warm start")
+        if cfg.steps == 0:
+            save_checkpoint(run.learner, run.run_dir / "ckpt", 0)
 
 
 def run_eval(run: Run, label: str, modes: list[str]) -> dict:

@@ -535,6 +535,25 @@ def test_the_laptop_models_log_their_reading_ladder_around_the_warm_start(tmp_pa
     assert {c.name for c in seen} == {"camg_reader"}
 
 
+def test_steps_0_is_the_warm_start_and_its_evaluation(tmp_path, monkeypatch):
+    """--steps 0 (as rime.py's): the warm start runs, then the evaluation; the warm-started weights are
+    checkpointed, so rerunning the command evaluates them without imitating again."""
+    from ppo import Dist
+    calls = []
+
+    def fake_warm_start(cfg, learner, tok, make_env, log):
+        calls.append(cfg.warmstart_steps)
+        return {"validity_before": 0.0, "validity_after": 1.0, "steps": cfg.warmstart_steps}
+    monkeypatch.setattr(camg, "warm_start", fake_warm_start)
+    cfg = tiny_cfg(tmp_path, steps=0, warmstart_steps=3)
+    camg.learner_main(cfg, Dist())
+    assert calls == [3] and (tmp_path / "run" / "ckpt").is_dir()
+    rows = [json.loads(r) for r in (tmp_path / "run" / "warmstart.jsonl").read_text().splitlines()]
+    assert rows[-1] == {"final": True, "validity_before": 0.0, "validity_after": 1.0, "steps": 3}
+    camg.learner_main(tiny_cfg(tmp_path, steps=0, warmstart_steps=3), Dist())
+    assert calls == [3], "the rerun resumes from the warm-started checkpoint"
+
+
 def test_warm_start_decays_its_lr_and_rehearses_the_reading(tmp_path, monkeypatch):
     """Each imitation step runs at warmstart_lr * (1 - (step - 1) / steps); with --warmstart-reading 0.5 each
     batch of 4 task rows gets 4 rows of camg_reader.py's rungs (the reading rehearsed), the default for
