@@ -556,10 +556,10 @@ def stored_before(saved, cfg: Config, path) -> dict:
     """The before-RL results kept in eval_before.pkl, if they were made as this run would make them; else a
     one-line error (the weights before RL are gone, so they cannot be remade: pairing them with an
     evaluation of another kind would report a difference that RL did not make)."""
-    key = saved.get("key") if isinstance(saved, dict) and "results" in saved else None
-    if key != before_key(cfg):
+    key, want = (saved.get("key") if isinstance(saved, dict) and "results" in saved else None), before_key(cfg)
+    if key != want:
         made = "by an older camg.py (another first turn)" if key is None else \
-            ", ".join(f"{k} {v!r}" for k, v in key.items() if before_key(cfg).get(k) != v)
+            ", ".join(f"{k} {v!r}" for k, v in key.items() if want.get(k) != v)
         cli.fail("camg.py", f"{path} (held-out success before RL) was made {'with ' if key else ''}{made}, which this "
                  "run would evaluate otherwise: rerun with the flags that made it, use --eval-only for another "
                  "evaluation, or start over with --no-resume")

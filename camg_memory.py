@@ -4,9 +4,8 @@ the CONTINUATION.md reset protocol inside an episode, as camg.py runs and record
 Between tasks (`apply_memory_mode`, `memory_note`): full keeps `.agent_memory/`, blank empties it,
 continuation keeps only CONTINUATION.md, shuffle swaps in another stream's folder (the ablations);
 a task's first user turn lists the saved files' paths, never their contents (camg_eval: in every mode the
-first turn the policy trained on, the words of the training's mode). One mode acts inside the
-episode: wiped is the training's mode between tasks (camg_eval: the first turn the policy trained on)
-and deletes CONTINUATION.md at every context reset (`ProtocolEnv(wipe_at_reset=True)`), so a success that needs the file's content fails.
+words of the training's mode, the first turn the policy trained on). One mode acts inside the
+episode: wiped is the training's mode between tasks and deletes CONTINUATION.md at every context reset (`ProtocolEnv(wipe_at_reset=True)`), so a success that needs the file's content fails.
 
 Inside an episode: rollout.py resets a context when the next turn would not fit in the context budget: it first asks
 the policy to save its progress to `.agent_memory/CONTINUATION.md` (one sampled, trained action),

@@ -53,8 +53,8 @@ class Args(pretrain.Args):
 
 
 def new_model(seed: int):
-    """camg.py's "small" model with random weights: a 1.9M Qwen3 and its BPE (trained on the environments'
-    text, pinned in weights/camg_bpe.json) (camg_worker.build_model)."""
+    """camg.py's "small" model with random weights (camg_worker.build_model): a 1.9M Qwen3 and its BPE,
+    trained on the environments' text and pinned in weights/camg_bpe.json."""
     import camg_worker
     return camg_worker.build_model("small", "cpu", seed)
 
