@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import pretrain
 from pretrain import Course, Item
 
-VERSION = 4
+VERSION = 5
 
 
 @dataclass
@@ -235,8 +235,17 @@ REPEATS = {"span": 0.4, "copy": 0.1, "carry": 0.3, "reread": 0.2}
 REPEAT_SEED = 6_271
 
 
+def bpe_hash() -> str:
+    """The pinned BPE's identity (weights/camg_bpe.json): a reader is built on one BPE, so a new BPE is a
+    new recipe (and a new cache entry)."""
+    import hashlib
+    import camg_worker
+    return hashlib.sha256(camg_worker.BPE_PATH.read_bytes()).hexdigest()[:16]
+
+
 def recipe(args: Args) -> dict:
-    return {"course": "camg_reader", "version": VERSION, "model": "camg_worker small", "steps": args.steps,
+    return {"course": "camg_reader", "version": VERSION, "model": "camg_worker small", "bpe": bpe_hash(),
+            "steps": args.steps,
             "batch": args.batch, "lr": args.lr, "seed": args.seed, "anneal_steps": args.anneal_steps,
             "anneal_lr": args.anneal_lr, "anneal_seed": ANNEAL_SEED, "phases": PHASES,
             "repeat_steps": args.repeat_steps, "repeat_seed": REPEAT_SEED, "repeats": REPEATS,
@@ -248,9 +257,9 @@ def stages(args: Args) -> list:
             ("repeats", REPEATS, args.repeat_steps, REPEAT_SEED)]
 
 
-# a finished recipe-3 reader has the curriculum and the cool-down (--base builds recipe 4 on it)
+# recipe 5 = recipe 4 on a new BPE (Shop's words in fewer pieces), so no older reader is a base for --base
 COURSE = Course("camg_reader", pretrain.REPO / "weights" / "camg_reader", new_model, Data, RUNGS, PHASES, 0,
-                recipe, stages, args=Args, stage_only=frozenset(STAGE_ONLY), base_stages=((3, 1),))
+                recipe, stages, args=Args, stage_only=frozenset(STAGE_ONLY))
 
 
 def load(build_if_missing: bool = True):

@@ -195,6 +195,30 @@ def test_a_reader_of_another_bpe_is_refused(monkeypatch):
         camg_reader.load(build_if_missing=False)
 
 
+def test_a_new_bpe_is_a_new_recipe(tmp_path, monkeypatch):
+    """The reader is built on one BPE: its recipe names the pinned file's hash, so a new
+    weights/camg_bpe.json is a new cache entry and makes the shipped reader stale (not silently reused)."""
+    key = pretrain.recipe_key(camg_reader.Args(), camg_reader.COURSE)
+    other = tmp_path / "bpe.json"
+    other.write_bytes(camg_worker.BPE_PATH.read_bytes() + b"\n")
+    monkeypatch.setattr(camg_worker, "BPE_PATH", other)
+    assert pretrain.recipe_key(camg_reader.Args(), camg_reader.COURSE) != key
+    assert not pretrain.shipped_matches(camg_reader.Args(), camg_reader.COURSE)
+
+
+def test_shops_words_are_few_pieces_in_the_small_bpe():
+    """The BPE's text holds a quarter of Shop's training episodes (camg_worker.DOMAIN_EPISODES), so an
+    attribute phrase the search copies out of the instruction is ~1.5 words in < 2 tokens (from 8 episodes:
+    3.9), and each category and option value is at most 3."""
+    import shop
+    tok = camg_worker.small_tokenizer()
+    pieces = lambda w: len(tok(" " + w, add_special_tokens=False).input_ids)
+    phrases = sorted({a for attrs, _ in shop.CATEGORIES.values() for a in attrs})
+    assert sum(map(pieces, phrases)) / len(phrases) < 2.0
+    values = {v for _, opts in shop.CATEGORIES.values() for vs in opts.values() for v in vs}
+    assert max(map(pieces, list(shop.CATEGORIES) + sorted(values))) <= 3
+
+
 def test_the_small_bpe_is_pinned_and_retrains_deterministically(tmp_path):
     """camg.py's BPE is read from weights/camg_bpe.json, so a change to an environment's wording does not
     change it (and so the shipped reader stays valid); train_small_bpe trains one on today's environment
