@@ -56,7 +56,7 @@ BPE_PATH = Path(__file__).resolve().parent / "weights" / "camg_bpe.json"
 
 # (every k-th training task, at most n) of each environment in domain_text. Shop's catalogue words (74
 # attribute phrases, 10 categories, their options) each occur in few of its episodes: from 8 episodes the
-# BPE spelled an attribute phrase in 3.9 tokens, from 72 in 1.7, so its copies are of fewer pieces
+# BPE spelled an attribute phrase in 3.9 tokens, from 72 in 1.85, so its copies are of fewer pieces
 DOMAIN_EPISODES = {"shop": (4, 72)}
 
 
