@@ -307,9 +307,11 @@ def _temp_entries():
 
 
 @pytest.mark.parametrize("name", ["coding", "shop"])
-def test_no_action_makes_an_env_raise_or_leave_files(name):
+def test_no_action_makes_an_env_raise_or_leave_files(name, tmp_path, monkeypatch):
     """Issue 30.5: a fifo, 1,500 nested directories (RecursionError in every host walk) and `chmod 000`
-    made memory_files, reset, set_memory_files, submit and close raise, and close left the workspace."""
+    made memory_files, reset, set_memory_files, submit and close raise, and close left the workspace.
+    (The env gets a temp dir of its own: other jobs' workspaces in the machine's do not count.)"""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     before = _temp_entries()
     env = envs.make(name)
     tasks = env.tasks("test")
