@@ -351,9 +351,13 @@ class AutoResearchEnv(ShellTaskEnv):
         return policy
 
 
-def sed(recipe: dict) -> str:
-    """The shell action that applies a recipe to train.py and runs it."""
-    edits = " ".join(f"-e 's/^{k} = [^ ]*/{k} = {v}/'" for k, v in recipe.items())
+def sed(recipe: dict, copy: bool = False) -> str:
+    """The shell action that applies a recipe to train.py and runs it. copy: each value is written after
+    the `KNOB=` the lab note and the saved file spell it with (`s/^DROP = .*/DROP=[4]/`), so writing it is a
+    copy of the line read back after a reset; otherwise `DROP = [4]`, train.py's own spelling, which the
+    standard family's repeated edits match again."""
+    edits = " ".join(f"-e 's/^{k} = .*/{k}={v}/'" if copy else f"-e 's/^{k} = [^ ]*/{k} = {v}/'"
+                     for k, v in recipe.items())
     return f"shell: sed -i {edits} train.py && python train.py" if edits else "shell: python train.py"
 
 
@@ -379,7 +383,7 @@ def relay_policy(task: Task):
         if st["reads"] < len(reads):
             st["reads"] += 1
             return reads[st["reads"] - 1]
-        return "evaluate" if st["ran"] else sed(st["recipe"] or {})
+        return "evaluate" if st["ran"] else sed(st["recipe"] or {}, copy=True)
     policy.notes = lambda: ([f"- best recipe: {' '.join(f'{k}={v}' for k, v in st['recipe'].items())}"]
                             if st["recipe"] else []) + [f"- progress: reads={st['reads']} ran={int(st['ran'])}"]
     return policy

@@ -179,3 +179,26 @@ def test_no_fixed_recipe_solves_the_relay_family():
             itertools.product(["True", "False"], ["1", "2"], ["[]"] + [f"[{c}]" for c in range(8)])]
     best = max(grid, key=solved)
     assert solved(best) <= len(tasks) / 2, best
+
+
+def test_the_relay_edit_copies_the_saved_line_and_the_standard_edit_keeps_trainpys_spelling():
+    """The relay reference writes each value after the `KNOB=` the lab note and the saved CONTINUATION.md
+    line spell it with, so the edit after a reset is a copy of the line read back (with train.py's
+    `DROP = [...]` the reader's sed wrote a constant column: docs/results.md); the standard family's
+    repeated edits keep `KNOB = value`, which a later edit matches again."""
+    import rollout
+
+    import camg_worker
+    from autoresearch import sed
+    env = camg_worker.make_env("autoresearch", "relay")
+    try:
+        task = next(t for t in env.tasks("train") if env.relay_fact(t))
+        parts = rollout.scripted_text(env, task, env.reference_policy(task))
+        recipe = env.build(task)[4]
+    finally:
+        env.close()
+    edit = next(p for p in parts if p.startswith("<action>shell: sed"))
+    note = next(p for p in parts if "Lab note" in p)
+    for k, v in recipe.items():
+        assert f"{k}={v}" in note and f"/{k}={v}/" in edit, (k, v, edit)
+    assert sed({"DROP": "[4]"}) == "shell: sed -i -e 's/^DROP = [^ ]*/DROP = [4]/' train.py && python train.py"
