@@ -101,7 +101,8 @@ class Args:
     judge_url: str = ""              # OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1
     judge_api_model: str = ""        # model name at that endpoint (key from $OPENAI_API_KEY)
     lr: float = 3e-4                 # RL learning rate (paper 1e-6 on 4B; a tiny model needs more)
-    kl_coef: float = 0.01            # k1 KL to the frozen reference
+    kl_coef: float = 0.01            # KL to the frozen reference (the warm start's weights), a loss term
+    kl_estimator: str = "k1"         # k1 (RIME's; zero-mean gradient on fresh samples) | k3 (pulls back: ppo_loss)
     clip_low: float = 0.2
     clip_high: float = 0.28
     behav_imp_weight_cap: float = 0.0  # drop tokens whose pi_prox/pi_behav exceeds this (0 = off; see ppo.policy_loss)
@@ -194,6 +195,7 @@ class Args:
         check(self.order in ("easy_to_hard", "shuffled"), f"--order must be easy_to_hard or shuffled, got {self.order!r}")
         check(self.explore_mode in ("advantage", "reward"), "--explore-mode must be advantage or reward")
         check(self.writer_baseline in ("past", "group"), "--writer-baseline must be past or group")
+        check(self.kl_estimator in ("k1", "k3"), f"--kl-estimator must be k1 or k3, got {self.kl_estimator!r}")
         check(self.writer in ("shared", "frozen", "decoupled"), "--writer must be shared, frozen or decoupled")
         check(self.actor in ("trained", "frozen"), "--actor must be trained or frozen")
         check(not (self.actor == "frozen" and self.writer != "shared"), "--actor frozen trains only the writer: keep --writer shared")
@@ -496,6 +498,7 @@ class Run:
 def learner_settings(args: Args, d) -> dict:
     # activation checkpointing pays off on GPUs with real models; on CPU small models it only recomputes
     return dict(lr=args.lr, clip_low=args.clip_low, clip_high=args.clip_high, kl_coef=args.kl_coef,
+                kl_estimator=args.kl_estimator,
                 micro_batch_tokens=args.micro_batch_tokens, gradient_checkpointing=d.device.type == "cuda",
                 dist_info=d, behav_imp_weight_cap=args.behav_imp_weight_cap or None,
                 clip_ratio_c=args.clip_ratio_c or None)

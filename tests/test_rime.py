@@ -169,6 +169,7 @@ def test_train_worlds_reach_the_env_and_keep_its_test_worlds():
     (["--eval-temperature", "-1"], "--eval-temperature must be a number in [0"),
     (["--writer-temperature", "0"], "--writer-temperature must be a number in (0"),
     (["--writer-temperature", "-2"], "--writer-temperature must be > 0, or -1"),
+    (["--kl-estimator", "k2"], "--kl-estimator must be k1 or k3"),
     (["--warmstart-threshold", "-0.1"], "--warmstart-threshold must be a number in [0"),
     (["--init-from", "/no/such/dir"], "--init-from '/no/such/dir': no such directory"),
     (["--before-from", "/tmp"], "--before-from reuses the evaluation of an --init-from policy")])
@@ -177,6 +178,14 @@ def test_bad_values_are_one_line_errors(bad, msg, capsys):
         rime.parse_args(bad)
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("rime.py: error: ") and msg in err and err.count("\n") == 1
+
+
+def test_the_kl_estimator_reaches_the_learner():
+    """--kl-estimator: k1 (RIME's, the default) or k3, passed to ppo.Learner with --kl-coef."""
+    d = type("D", (), {"device": torch.device("cpu")})()
+    assert rime.learner_settings(rime.parse_args([]), d)["kl_estimator"] == "k1"
+    s = rime.learner_settings(rime.parse_args(["--kl-estimator", "k3", "--kl-coef", "0.5"]), d)
+    assert (s["kl_estimator"], s["kl_coef"]) == ("k3", 0.5)
 
 
 def test_eval_streams_default_to_what_resolves_an_rl_effect():
