@@ -1,6 +1,6 @@
 """CAMG's reader: camg.py's laptop model learns to copy spans and read keyed notes before it meets a task.
 
-    python camg_reader.py            # build it once (~90 min at 1 thread) and cache it; rerun = reuse
+    python camg_reader.py            # build it once (~3 h at 1 thread) and cache it; rerun = reuse
     python camg_reader.py --check    # its reading ladder: accuracy per rung on held-out random items
     python camg_reader.py --where    # its HF directory (weights + tokenizer; model.load / load_tokenizer)
 
@@ -28,7 +28,9 @@ RIME's reader (pretrain.py, whose training loop, ladder and cache this file reus
 
 Every word is a random span of the BPE's alphanumeric tokens (a word-start token, then 0-2 pieces): no
 environment's names, options or answers are drawn (the templates use the environments' action words).
-What the reader learns is to find and copy; what to save, when, and what to do with it is left to the
+The course: copying until it passes 0.8, the acting mix, a cool-down, then two stages that decay the lr
+again: the repeats stage (span items beside the chat rungs) and the keyed stage (mostly carry and reread),
+where the two chat rungs rose most (docs/camg.md). What the reader learns is to find and copy; what to save, when, and what to do with it is left to the
 warm start (the reference trajectories) and to RL (camg.py).
 """
 
@@ -40,7 +42,7 @@ from dataclasses import dataclass
 import pretrain
 from pretrain import Course, Item
 
-VERSION = 5
+VERSION = 6
 
 
 @dataclass
@@ -50,6 +52,7 @@ class Args(pretrain.Args):
     anneal_steps: int = 200      # then the cool-down (lr decaying to 0 on the last phase's mix)
     infer_steps: int = 0         # (RIME's inference stage: not part of this course)
     repeat_steps: int = 1500     # then the repeats stage (span items beside the acting mix; recipe 4)
+    keyed_steps: int = 3000      # then the keyed stage (the chat rungs, most of all the keyed carry; recipe 6)
 
 
 def new_model(seed: int):
@@ -233,6 +236,11 @@ ANNEAL_SEED = 4_243
 # steps, still rising (docs/camg.md)
 REPEATS = {"span": 0.4, "copy": 0.1, "carry": 0.3, "reread": 0.2}
 REPEAT_SEED = 6_271
+# the keyed stage (recipe 6): a second, longer decay weighted to the two chat rungs. Recipe 5's gate checks
+# over its repeats stage: carry 0.08 -> 0.45 and reread 0.59 -> 0.67 in 1,500 steps, still rising where its
+# lr reached 0, while span and copy were at 1.0 (so they keep a small share, as rehearsal)
+KEYED = {"span": 0.1, "copy": 0.1, "carry": 0.5, "reread": 0.3}
+KEYED_SEED = 8_191
 
 
 def bpe_hash() -> str:
@@ -249,17 +257,20 @@ def recipe(args: Args) -> dict:
             "batch": args.batch, "lr": args.lr, "seed": args.seed, "anneal_steps": args.anneal_steps,
             "anneal_lr": args.anneal_lr, "anneal_seed": ANNEAL_SEED, "phases": PHASES,
             "repeat_steps": args.repeat_steps, "repeat_seed": REPEAT_SEED, "repeats": REPEATS,
+            "keyed_steps": args.keyed_steps, "keyed_seed": KEYED_SEED, "keyed": KEYED,
             "gate_every": pretrain.GATE_EVERY, "pool_seed": pretrain.POOL_SEED}
 
 
 def stages(args: Args) -> list:
     return [("cool-down", PHASES[-1][2], args.anneal_steps, ANNEAL_SEED),
-            ("repeats", REPEATS, args.repeat_steps, REPEAT_SEED)]
+            ("repeats", REPEATS, args.repeat_steps, REPEAT_SEED),
+            ("keyed", KEYED, args.keyed_steps, KEYED_SEED)]
 
 
-# recipe 5 = recipe 4 on a new BPE (Shop's words in fewer pieces), so no older reader is a base for --base
+# recipe 5 = recipe 4 on a new BPE (Shop's words in fewer pieces); a finished recipe-5 reader has recipe 6's
+# first two stages (--base builds the keyed stage on it)
 COURSE = Course("camg_reader", pretrain.REPO / "weights" / "camg_reader", new_model, Data, RUNGS, PHASES, 0,
-                recipe, stages, args=Args, stage_only=frozenset(STAGE_ONLY))
+                recipe, stages, args=Args, stage_only=frozenset(STAGE_ONLY), base_stages=((5, 2),))
 
 
 def load(build_if_missing: bool = True):

@@ -144,11 +144,12 @@ def test_an_untrained_model_is_at_chance(fresh):
 
 
 def test_a_short_build_runs_resumes_and_is_found_in_the_cache(tmp_path, monkeypatch):
-    """The course through pretrain.py's loop: 6 curriculum steps, a 3-step cool-down and a 2-step repeats
-    stage, killed after step 4 and resumed from its step-3 checkpoint; the finished reader is found by its
+    """The course through pretrain.py's loop: 6 curriculum steps, a 3-step cool-down, a 2-step repeats
+    stage and a 2-step keyed stage, killed after step 4 and resumed from its step-3 checkpoint; the finished reader is found by its
     recipe in the cache."""
     monkeypatch.setenv("RIME_CACHE", str(tmp_path))
-    args = camg_reader.Args(steps=6, anneal_steps=3, repeat_steps=2, batch=4, eval_items=2, checkpoint_every=3)
+    args = camg_reader.Args(steps=6, anneal_steps=3, repeat_steps=2, keyed_steps=2, batch=4, eval_items=2,
+                            checkpoint_every=3)
     out = pretrain.cache_dir(args, camg_reader.COURSE)
     assert out.parent.name == "camg_reader"
     real_step, calls = pretrain.train_step, []
@@ -165,12 +166,35 @@ def test_a_short_build_runs_resumes_and_is_found_in_the_cache(tmp_path, monkeypa
     monkeypatch.setattr(pretrain, "train_step", real_step)
     assert pretrain.reader_dir(args, course=camg_reader.COURSE) == out       # resumes the build
     rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 12))
-    assert [r["phase"] for r in rows[6:]] == ["cool-down"] * 3 + ["repeats"] * 2
+    assert [r["step"] for r in rows] == list(range(1, 14))
+    assert [r["phase"] for r in rows[6:]] == ["cool-down"] * 3 + ["repeats"] * 2 + ["keyed"] * 2
     assert json.loads((out / "recipe.json").read_text()) == pretrain.recipe(args, camg_reader.COURSE)
     assert set(json.loads((out / "ladder.json").read_text())) == set(camg_reader.RUNGS)
     # the default recipe is another key: RIME's reader and CAMG's never share a cache entry
     assert pretrain.recipe_key(args, camg_reader.COURSE) != pretrain.recipe_key(pretrain.Args())
+
+
+def test_a_recipe_5_reader_is_a_base_for_the_keyed_stage(tmp_path, monkeypatch):
+    """--base: a finished recipe-5 reader (the curriculum, the cool-down and the repeats stage; no keyed
+    stage in its recipe.json) is where recipe 6 goes on: the build runs only the keyed stage and ends with
+    the weights of a whole build."""
+    monkeypatch.setattr(pretrain, "ladder", lambda model, tok, num_items=0, seed=0, rungs=None, pool=0, course=None: {
+        r: {"accuracy": 0.0, "chance": 0.0, "used": u, "items": 0} for r, u in camg_reader.RUNGS.items()})
+    kw = dict(steps=4, anneal_steps=2, repeat_steps=2, batch=4, eval_items=2, checkpoint_every=50, threads=1)
+    course = camg_reader.COURSE
+    pretrain.build(camg_reader.Args(keyed_steps=3, **kw), tmp_path / "whole", course)
+    pretrain.build(camg_reader.Args(keyed_steps=0, **kw), tmp_path / "base", course)
+    stored = json.loads((tmp_path / "base" / "recipe.json").read_text())
+    (tmp_path / "base" / "recipe.json").write_text(json.dumps(
+        {k: v for k, v in stored.items() if not k.startswith("keyed")} | {"version": 5}))
+    args = camg_reader.Args(keyed_steps=3, base=str(tmp_path / "base"), **kw)
+    pretrain.build(args, tmp_path / "cont", course)
+    rows = [json.loads(r) for r in (tmp_path / "cont" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["phase"] for r in rows][-4:] == ["repeats", "keyed", "keyed", "keyed"]
+    from model import load
+    a, b = load(tmp_path / "whole").state_dict(), load(tmp_path / "cont").state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((tmp_path / "cont" / "recipe.json").read_text()) == pretrain.recipe(args, course)
 
 
 def test_the_shipped_reader_is_this_recipe_and_reads():
