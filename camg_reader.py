@@ -30,8 +30,9 @@ Every word is a random span of the BPE's alphanumeric tokens (a word-start token
 environment's names, options or answers are drawn (the templates use the environments' action words).
 The course: copying until it passes 0.8, the acting mix, a cool-down, then two stages that decay the lr
 again: the repeats stage (span items beside the chat rungs) and the keyed stage (mostly carry and reread),
-where the two chat rungs rose most (docs/camg.md). What the reader learns is to find and copy; what to save, when, and what to do with it is left to the
-warm start (the reference trajectories) and to RL (camg.py).
+where the two chat rungs rose most (docs/camg.md). What the reader learns is to find and copy; what to
+save, when, and what to do with it is left to the warm start (the reference trajectories) and to RL
+(camg.py).
 """
 
 import random

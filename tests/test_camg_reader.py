@@ -145,8 +145,8 @@ def test_an_untrained_model_is_at_chance(fresh):
 
 def test_a_short_build_runs_resumes_and_is_found_in_the_cache(tmp_path, monkeypatch):
     """The course through pretrain.py's loop: 6 curriculum steps, a 3-step cool-down, a 2-step repeats
-    stage and a 2-step keyed stage, killed after step 4 and resumed from its step-3 checkpoint; the finished reader is found by its
-    recipe in the cache."""
+    stage and a 2-step keyed stage, killed after step 4 and resumed from its step-3 checkpoint; the finished
+    reader is found by its recipe in the cache."""
     monkeypatch.setenv("RIME_CACHE", str(tmp_path))
     args = camg_reader.Args(steps=6, anneal_steps=3, repeat_steps=2, keyed_steps=2, batch=4, eval_items=2,
                             checkpoint_every=3)
