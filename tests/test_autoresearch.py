@@ -186,9 +186,8 @@ def test_the_relay_edit_copies_the_saved_line_and_the_standard_edit_keeps_trainp
     line spell it with, so the edit after a reset is a copy of the line read back (with train.py's
     `DROP = [...]` the reader's sed wrote a constant column: docs/results.md); the standard family's
     repeated edits keep `KNOB = value`, which a later edit matches again."""
-    import rollout
-
     import camg_worker
+    import rollout
     from autoresearch import sed
     env = camg_worker.make_env("autoresearch", "relay")
     try:
