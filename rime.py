@@ -91,6 +91,10 @@ class Args:
     k: int = 3                       # writer reward window K
     beta: float = 0.3                # exploration bonus on the actor's advantage
     writer_baseline: str = "past"    # past (GRPO's group mean + the past window's share: rewards.past_baseline) | group (GRPO's alone)
+    writer_groups: str = "copies"    # copies (the paper's: a group is a stream's G copies at one position, each with
+                                     # its own history) | branch (G memories sampled from one state, their next K
+                                     # tasks played greedily: the same reward, a shared past; branch_rows)
+    branches: int = 2                # --writer-groups branch: branch points per stream per RL step
     explore_mode: str = "advantage"  # advantage (RIME) | reward (score + lam * explore)
     lam: float = 0.1                 # weight of explore in the reward form
     no_explore: bool = False         # ablation: no exploration reward (the judge is never called)
@@ -195,6 +199,8 @@ class Args:
         check(self.order in ("easy_to_hard", "shuffled"), f"--order must be easy_to_hard or shuffled, got {self.order!r}")
         check(self.explore_mode in ("advantage", "reward"), "--explore-mode must be advantage or reward")
         check(self.writer_baseline in ("past", "group"), "--writer-baseline must be past or group")
+        check(self.writer_groups in ("copies", "branch"), f"--writer-groups must be copies or branch, got {self.writer_groups!r}")
+        check(self.branches >= 1, f"--branches must be >= 1, got {self.branches}")
         check(self.kl_estimator in ("k1", "k3"), f"--kl-estimator must be k1 or k3, got {self.kl_estimator!r}")
         check(self.writer in ("shared", "frozen", "decoupled"), "--writer must be shared, frozen or decoupled")
         check(self.actor in ("trained", "frozen"), "--actor must be trained or frozen")
@@ -292,21 +298,21 @@ class StreamRollout:
 
 
 def play_streams(actor, writer, tokenizer, env, streams, args: Args, *, temperature: float, seed: int,
-                 on_task=None, writer_temperature: float = None) -> list:
+                 on_task=None, writer_temperature: float = None, memories: list = None) -> list:
     """Every stream with memory, all side by side: at each position t the actor solves task t of
     every stream with its memory M(t-1) (one batched call), then the writer reads each finished
     episode and rewrites the memory into M(t) (one batched call). actor and writer are one model
     under shared weights; a frozen or decoupled writer is another. Streams may repeat (the copies
     of a GRPO group). writer_temperature (default: temperature) samples the writer apart from the
     actor: the actor of task t+1 reads what the writer wrote at it, so a writer sampled cooler in RL
-    hands the actor memories closer to the greedy ones it is evaluated with. Returns one StreamRollout
-    per stream."""
+    hands the actor memories closer to the greedy ones it is evaluated with. memories: the memory each
+    stream starts with (default: none). Returns one StreamRollout per stream."""
     writer_temperature = temperature if writer_temperature is None else writer_temperature
     lengths = {len(s) for s in streams}
     assert len(lengths) == 1, f"streams run in lockstep and must have one length, got {sorted(lengths)}"
     envs_ = [env] + [env.clone() for _ in streams[1:]]
     outs = [StreamRollout(tasks=list(s)) for s in streams]
-    memories = [""] * len(streams)
+    memories = list(memories) if memories is not None else [""] * len(streams)
     for t in range(lengths.pop()):
         # the actor: task t with memory M(t-1)
         eps = rollout.run_episodes(actor, tokenizer, envs_, [s[t] for s in streams], memory=memories,
@@ -454,6 +460,55 @@ def rl_rows(outs, groups_of, args: Args, writer_prompt_text: str):
                  actor_groups_dropped=adv.num_dropped_groups, writer_groups_dropped=w_keep.count(False) / max(args.group_size, 1),
                  format_errors=sum(ep.num_format_errors for o in outs for ep in o.episodes) / len(scores))
     return actor, writer, parts
+
+
+def branch_rows(actor, writer, tokenizer, env, outs, groups_of, args: Args, *, seed: int):
+    """--writer-groups branch: the writer's rows from groups that share their prompt. The paper groups a
+    stream's G copies at one position, but by then each copy has its own history, so the group mean
+    compares histories: the past window differs from copy to copy and the delta is mostly mean
+    reversion (docs/results.md, "What a memory is worth"). Here, at `branches` points per stream (a copy
+    and a position t < T-1, drawn from `seed`), G memories are sampled from that copy's one state (its
+    episode t and the memory M(t-1) it read). Each gets RIME's reward unchanged, R = ok * (next K mean -
+    past K mean) + 0.1 * ok: the past K are the copy's own scores, shared by the group, and the next K
+    tasks are the stream's, played greedily (actor and writer, as evaluated) from that memory, so the
+    next mean is a function of the memory alone. The group's baseline then removes the past exactly and
+    the advantage compares memories. Costs up to branches * G * K greedy episodes more per stream.
+    -> (writer rows, logged parts)."""
+    rng = random.Random(seed)
+    T, G = len(outs[0].tasks), args.group_size
+    points = []
+    for b in sorted(set(groups_of)):
+        members = [c for c, g in enumerate(groups_of) if g == b]
+        points += [(rng.choice(members), rng.randrange(T - 1)) for _ in range(args.branches)]
+    eps = [outs[c].episodes[t] for c, t in points for _ in range(G)]
+    olds = [outs[c].memories[t] for c, t in points for _ in range(G)]
+    writes = rollout.write_memory(writer, tokenizer, eps, olds, temperature=args.writer_temperature,
+                                  seed=seed, memory_tokens=args.memory_tokens, traj_chars=args.traj_chars)
+    # the next K tasks from each sampled memory, greedily; streams of one length run together
+    nxt = [outs[c].tasks[t + 1:t + 1 + args.k] for c, t in points for _ in range(G)]
+    cont = [None] * len(writes)
+    for n in sorted({len(x) for x in nxt}):
+        idx = [i for i, x in enumerate(nxt) if len(x) == n]
+        played = play_streams(actor, writer, tokenizer, env, [nxt[i] for i in idx], args, temperature=0.0,
+                              seed=seed, memories=[writes[i].memory for i in idx])
+        for i, o in zip(idx, played):
+            cont[i] = o.scores
+    w_rewards, groups, oks = [], [], []
+    for i, w in enumerate(writes):
+        c, t = points[i // G]
+        past = outs[c].scores[max(0, t - args.k + 1): t + 1]
+        ok, _ = rewards.writer_format_ok(w.memory, olds[i], rollout.WRITER_SYSTEM)
+        ok = ok and w.status == "ok"
+        delta = sum(cont[i]) / len(cont[i]) - sum(past) / len(past)
+        w_rewards.append(rewards.writer_reward_gated(delta, ok))
+        groups.append(i // G)
+        oks.append(float(ok))
+    adv, keep = rewards.group_advantages(w_rewards, groups)
+    rows = [(w.tokens, w.loss_mask, w.logprobs, a, w.temperature) for w, a, k in zip(writes, adv, keep) if k]
+    spread = [max(w_rewards[j * G:(j + 1) * G]) - min(w_rewards[j * G:(j + 1) * G]) for j in range(len(points))]
+    return rows, dict(branch_reward=mean(w_rewards), branch_format_ok=mean(oks), writer_rows=len(rows),
+                      writer_groups_dropped=keep.count(False) / G, branch_spread=mean(spread),
+                      branch_points=len(points))
 
 
 def batch_of(rows, version):
@@ -615,6 +670,11 @@ def rl_step(run: Run, step: int) -> dict:
     judged = judge_memories(run.judge, outs)
     t_judge = time.time() - t0 - t_roll
     actor, writer, parts = rl_rows(outs, groups_of, args, rollout.WRITER_SYSTEM)
+    if args.writer_groups == "branch" and args.writer != "frozen":   # the writer's rows from shared prompts
+        writer, branched = branch_rows(run.actor_model or learner.gen_model, run.writer_model or learner.gen_model,
+                                       run.tokenizer, run.env, outs, groups_of, args,
+                                       seed=args.seed * 7 + step * 1009 + run.d.rank + 1)
+        parts.update(branched, branch_s=time.time() - t0 - t_roll - t_judge)
     if args.env == "alchemy":
         import alchemy
         acc = [alchemy.memory_accuracy(w.memory, task) for o in outs for w, task in zip(o.writes, o.tasks)]
@@ -627,7 +687,7 @@ def rl_step(run: Run, step: int) -> dict:
     else:                               # shared weights: one PPO step on both roles' tokens
         stats = learner.update(batch_of(actor + writer, learner.version))
     row = {"phase": "rl", "step": step + 1, "rollout_s": t_roll, "judge_s": t_judge,
-           "update_s": time.time() - t0 - t_roll - t_judge, "step_s": time.time() - t0, **parts, **judged, **stats}
+           "update_s": time.time() - t0 - t_roll - t_judge - parts.get("branch_s", 0.0), "step_s": time.time() - t0, **parts, **judged, **stats}
     run.log(row)
     if run.d.is_main:
         with open(run.path("memories", f"step{step + 1:04d}.jsonl"), "w") as f:

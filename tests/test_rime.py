@@ -170,6 +170,7 @@ def test_train_worlds_reach_the_env_and_keep_its_test_worlds():
     (["--writer-temperature", "0"], "--writer-temperature must be a number in (0"),
     (["--writer-temperature", "-2"], "--writer-temperature must be > 0, or -1"),
     (["--kl-estimator", "k2"], "--kl-estimator must be k1 or k3"),
+    (["--writer-groups", "tree"], "--writer-groups must be copies or branch"), (["--branches", "0"], "--branches must be >= 1"),
     (["--warmstart-threshold", "-0.1"], "--warmstart-threshold must be a number in [0"),
     (["--init-from", "/no/such/dir"], "--init-from '/no/such/dir': no such directory"),
     (["--before-from", "/tmp"], "--before-from reuses the evaluation of an --init-from policy")])
@@ -772,3 +773,51 @@ def test_before_from_a_run_older_than_the_actor_context_setting(tmp_path, capsys
     with pytest.raises(SystemExit):
         rime.reused_before(run)
     assert "differs in actor_context" in capsys.readouterr().err
+
+
+def test_branched_writer_groups_compare_memories_from_one_state(monkeypatch):
+    """--writer-groups branch: each group's G memories are sampled from one copy's one state (the same
+    episode, the same old memory), scored by RIME's reward with the next K tasks played greedily from
+    each memory and the copy's own past K, so the advantage follows what the memory does next."""
+    from types import SimpleNamespace as NS
+    args = rime.parse_args(["--writer-groups", "branch", "--branches", "3", "--group-size", "2", "--k", "2"])
+    good, bad = ("### Repository Knowledge\n- large pink\n- best large\n\n### Lessons & Pitfalls\n- a\n- b\n- " + w
+                 for w in ("good", "bad"))
+    T, tasks = 4, [f"t{i}" for i in range(4)]
+    outs = [rime.StreamRollout(tasks=tasks, episodes=[NS(score=0.5 * c) for _ in tasks],
+                               memories=[f"old {c} {t}" for t in range(T)]) for c in range(4)]
+    asked = []
+
+    def fake_write(model, tok, eps, olds, temperature, seed, **kw):
+        asked.append((eps, olds, temperature))
+        return [rollout.WriterSample(tokens=[i], loss_mask=[1], logprobs=[0.0], memory=(good, bad)[i % 2],
+                                     raw="", status="ok") for i in range(len(eps))]
+
+    played = []
+
+    def fake_play(actor, writer, tok, env, streams, a, *, temperature, seed, memories, **kw):
+        played.append((streams, memories, temperature))
+        return [rime.StreamRollout(tasks=s, episodes=[NS(score=float("good" in m)) for _ in s])
+                for s, m in zip(streams, memories)]
+
+    monkeypatch.setattr(rollout, "write_memory", fake_write)
+    monkeypatch.setattr(rime, "play_streams", fake_play)
+    rows, parts = rime.branch_rows(None, None, None, None, outs, [0, 0, 1, 1], args, seed=5)
+    (eps, olds, temperature), = asked
+    assert parts["branch_points"] == 6 and len(eps) == 12 and temperature == args.writer_temperature
+    for j in range(6):       # a group shares its episode and old memory, from a copy of its own stream
+        assert eps[2 * j] is eps[2 * j + 1] and olds[2 * j] == olds[2 * j + 1]
+        c = next(c for c, o in enumerate(outs) if eps[2 * j] in o.episodes)
+        assert c // 2 == j // 3
+    assert all(t == 0.0 for _, _, t in played)          # the next K tasks are played greedily
+    for streams, memories, _ in played:
+        for s, m in zip(streams, memories):
+            assert 1 <= len(s) <= 2 and m in (good, bad) and s == tasks[tasks.index(s[0]):][:len(s)]
+    assert len(rows) == 12 and parts["writer_rows"] == 12 and parts["branch_spread"] == 1.0
+    assert all((r[3] > 0) == (r[0][0] % 2 == 0) for r in rows)   # the good memory's rows gain
+    # a group whose memories do alike teaches nothing: every memory good -> no rows
+    monkeypatch.setattr(rollout, "write_memory", lambda m, t, eps, olds, **kw: [
+        rollout.WriterSample(tokens=[i], loss_mask=[1], logprobs=[0.0], memory=good, raw="", status="ok")
+        for i in range(len(eps))])
+    rows, parts = rime.branch_rows(None, None, None, None, outs, [0, 0, 1, 1], args, seed=5)
+    assert rows == [] and parts["writer_groups_dropped"] == 6
