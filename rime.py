@@ -496,11 +496,9 @@ def branch_rows(actor, writer, tokenizer, env, outs, groups_of, args: Args, *, s
     w_rewards, groups, oks = [], [], []
     for i, w in enumerate(writes):
         c, t = points[i // G]
-        past = outs[c].scores[max(0, t - args.k + 1): t + 1]
-        ok, _ = rewards.writer_format_ok(w.memory, olds[i], rollout.WRITER_SYSTEM)
-        ok = ok and w.status == "ok"
-        delta = sum(cont[i]) / len(cont[i]) - sum(past) / len(past)
-        w_rewards.append(rewards.writer_reward_gated(delta, ok))
+        ok = rewards.writer_format_ok(w.memory, olds[i], rollout.WRITER_SYSTEM)[0] and w.status == "ok"
+        window = rewards.writer_windows(outs[c].scores[:t + 1] + cont[i], args.k)[t]   # the copy's past, this next
+        w_rewards.append(rewards.writer_reward_gated(window.delta, ok))
         groups.append(i // G)
         oks.append(float(ok))
     adv, keep = rewards.group_advantages(w_rewards, groups)
