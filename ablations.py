@@ -207,6 +207,22 @@ CAMG_ABLATIONS = [
 ]
 
 
+# --setting relay: camg.py's own default (relay tasks, memory blank between tasks), where the facts a task
+# needs cross a context reset inside its episode. There "blank saved memory at evaluation" is the full run
+# itself (nothing is saved between tasks) and "continuation-only training" trains what full trains (the
+# continuation file is the one memory an episode writes), so their rows are left out and the table says so.
+CAMG_RELAY_ABLATIONS = [
+    ("full", "full", ["--eval-memory", "full,wiped"], "full", "CAMG-RL-4B", "the reference"),
+    ("CONTINUATION.md wiped at each reset", "full", None, "wiped",
+     None, "below full where a success needs the file (no published row)"),
+    ("no gradients through memory actions", "no_memory_gradients", ["--mask-memory-actions"], "full",
+     "CAMG-RL-4B, no gradients through memory actions", "far below full (the paper: 21.1 vs 54.4)"),
+]
+CAMG_SETTINGS = {"stream": (CAMG_BASE, CAMG_ABLATIONS), "relay": ([], CAMG_RELAY_ABLATIONS)}
+RELAY_NOTE = ("\n\nThe relay setting (camg.py's default) keeps no memory between tasks: blank memory at evaluation "
+              "is the full run itself, and continuation-only training trains what full trains, so neither has a row.")
+
+
 def camg_figures(summary: dict, mode: str) -> tuple:
     """(success after RL, RL effect) of one run's summary.json, evaluated with memory `mode`; the RL
     effect (after minus before) exists for the full memory only. Success is a rate in [0, 1]."""
@@ -221,18 +237,21 @@ def camg_ablations(args: list) -> None:
     held-out success after RL (average over the environments, %), of the RL effect (after minus before,
     points) and of the difference to the full runs of the same seeds, beside the paper's published
     average and direction (each labelled by its source). Extra flags after `--` go to every run.
-        python bench.py camg-ablations [--seeds 3] [--only "full,continuation-only training"] [--table-only]
-            [--results results/camg_ablations]"""
+    --setting stream (the paper's: memory kept across a stream's tasks, both task families) or relay
+    (camg.py's default: a fact crosses a reset inside the episode; CAMG_RELAY_ABLATIONS says which rows).
+        python bench.py camg-ablations [--seeds 3] [--setting stream|relay] [--only "full,..."] [--table-only]
+            [--results results/camg_ablations, or results/camg_ablations_relay]"""
     prog = "bench.py camg-ablations"
     own, extra = split_extra(args)
-    a = flags(own, prog, seeds=3, results="results/camg_ablations", only="", table_only=False)
-    chosen = choose(CAMG_ABLATIONS, a.only, a.seeds, prog)
+    a = flags(own, prog, seeds=3, setting=("stream", "relay"), results="", only="", table_only=False)
+    base, variants = CAMG_SETTINGS[a.setting]
+    chosen = choose(variants, a.only, a.seeds, prog)
     runs = {}
     for v in chosen:                        # every run dir once: "blank" reads the full runs
-        fl = next(x[2] for x in CAMG_ABLATIONS if x[1] == v[1] and x[2] is not None)
+        fl = next(x[2] for x in variants if x[1] == v[1] and x[2] is not None)
         runs.setdefault(v[1], fl)
-    root = Path(a.results)
-    summaries, failures = run_all("camg", [(run, CAMG_BASE + fl, s) for run, fl in runs.items() for s in range(a.seeds)],
+    root = Path(a.results or "results/camg_ablations" + ("_relay" if a.setting == "relay" else ""))
+    summaries, failures = run_all("camg", [(run, base + fl, s) for run, fl in runs.items() for s in range(a.seeds)],
                                   root, extra, prog, start=not a.table_only)
     figures = {name: {s: camg_figures(summaries[(run, s)], mode) for s in range(a.seeds) if (run, s) in summaries}
                for name, run, _, mode, _, _ in chosen}
@@ -254,6 +273,7 @@ def camg_ablations(args: list) -> None:
                       "vs full, points", "published avg % †", "source", "the paper's direction"], rows)
     table += ("\n\n† CAMG paper, CAMG-RL-4B (128 test tasks per environment, 200 updates); published, not measured "
               "here. released figures: the authors' released result tables; derived: computed here from them.")
+    table += RELAY_NOTE if a.setting == "relay" else ""
     scatter_plot(root / "camg_ablations.png", [v[0] for v in chosen],
                  {n: [100 * x[0] for x in f.values() if x[0] is not None] for n, f in figures.items()},
                  "held-out success after RL (%)",

@@ -498,6 +498,9 @@ a, _ = p.parse_known_args()
 variant = "mask" if a.mask_memory_actions else a.train_memory
 with open(os.environ["FAKE_CAMG_CALLS"], "a") as f:
     f.write(f"{variant} {a.seed} {a.eval_memory}\\n")
+if os.environ.get("FAKE_CAMG_ARGV"):
+    with open(os.environ["FAKE_CAMG_ARGV"], "a") as f:
+        f.write(" ".join(sys.argv[1:]) + "\\n")
 if os.environ.get("FAKE_CAMG_FAIL") == f"{variant}:{a.seed}":
     print("progress...\\nboom: the learner ran out of memory")
     sys.exit(1)
@@ -564,3 +567,27 @@ def test_camg_ablations_table_resumes_and_reports_a_failed_run(tmp_path, monkeyp
     bench.main(argv[:1] + ["--only", "blank memory at evaluation"] + argv[1:])
     assert calls.read_text() == "" and "| blank memory at evaluation | 3 |" in capsys.readouterr().out
     _one_line_error(capsys, lambda: bench.main(["camg-ablations", "--only", "nothing"]), "--only names none of: full")
+
+
+def test_camg_ablations_in_the_relay_setting(tmp_path, monkeypatch, capsys):
+    """--setting relay runs camg.py's own default (no stream flags): full (evaluated full and wiped) and
+    no memory gradients; blank memory and continuation-only training have no row there (nothing is saved
+    between tasks), and the table says why."""
+    import ablations
+    fake = tmp_path / "fake_camg.py"
+    fake.write_text(FAKE_CAMG)
+    monkeypatch.setitem(ablations.PROGRAMS, "camg", fake)
+    calls, argvs = tmp_path / "calls.txt", tmp_path / "argv.txt"
+    monkeypatch.setenv("FAKE_CAMG_CALLS", str(calls))
+    monkeypatch.setenv("FAKE_CAMG_ARGV", str(argvs))
+    bench.main(["camg-ablations", "--setting", "relay", "--seeds", "2", "--results", str(tmp_path / "relay")])
+    assert sorted(calls.read_text().splitlines()) == ["full 0 full,wiped", "full 1 full,wiped", "mask 0 full", "mask 1 full"]
+    assert not any(f in line for line in argvs.read_text().splitlines() for f in ("--family", "--train-memory",
+                                                                                   "--eval-stream-len"))
+    out = capsys.readouterr().out
+    rows = {l.split("|")[1].strip(): l for l in out.splitlines() if l.startswith("| ")}
+    assert set(rows) == {"variant", "full", "CONTINUATION.md wiped at each reset", "no gradients through memory actions"}
+    assert rows["CONTINUATION.md wiped at each reset"].startswith(
+        "| CONTINUATION.md wiped at each reset | 2 | 20.50 ± 0.71 | n/a | -30.00 ± 0.00 |")
+    assert "blank memory at evaluation is the full run itself" in out
+    _one_line_error(capsys, lambda: bench.main(["camg-ablations", "--setting", "nothing"]), "invalid choice")
