@@ -175,7 +175,7 @@ class Config:
         if self.warmstart_lr == -1:
             self.warmstart_lr = 2e-3 if self.model == "reader" else 5e-3
         if self.temperature == -1:
-            self.temperature = 0.5 if self.model in ("reader", "small") or self.model.startswith("tiny") else 1.0
+            self.temperature = 0.5 if self.model in LAPTOP_MODELS or self.model.startswith("tiny") else 1.0
         for name in ("lr", "temperature", "warmstart_lr"):
             cli.check_number(name, getattr(self, name), lo=0, lo_open=True)
         cli.check_number("gamma", self.gamma, lo=0, hi=1, lo_open=True)
