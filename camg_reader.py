@@ -1,6 +1,6 @@
 """CAMG's reader: camg.py's laptop model learns to copy spans and read keyed notes before it meets a task.
 
-    python camg_reader.py            # build it once (~3 h at 1 thread) and cache it; rerun = reuse
+    python camg_reader.py            # build it once (~3.5 h at 1 thread) and cache it; rerun = reuse
     python camg_reader.py --check    # its reading ladder: accuracy per rung on held-out random items
     python camg_reader.py --where    # its HF directory (weights + tokenizer; model.load / load_tokenizer)
 
@@ -18,9 +18,12 @@ RIME's reader (pretrain.py, whose training loop, ladder and cache this file reus
             must keep its place (the keyed carry's note repeats its attribute words the same way)
   lookup    "- thing attr value" note lines (4-17, a thing may have several), then "need thing attr" ->
             " value": the Shop note's shape (measured beside the others: no hop needs it)
-  carry     the actor's chat: a task naming a thing, the action that shows a note, the note; the reply
-            saves the thing's lines (or the memo's sentence) to CONTINUATION.md as camg_memory's
-            reference agents write them: a choice of lines, then a copy
+  save      the actor's chat: a task naming a thing, the action that shows a note, the note; the reply
+            saves the thing's lines, or a memo's sentence (DeepResearch's `- memo: ...`), or a lab note's
+            tail (AutoResearch's `- best recipe: ...`), to CONTINUATION.md as camg_memory's reference
+            agents write them: a choice of lines, then a copy
+  carry     the save as recipes 2-6 trained it (its memos after their title in lower case, a shape no
+            task has): measured, and still in the earlier stages' mixes so that they stay what they were
   reread    the chat after a context reset: the task, `cat CONTINUATION.md` and the saved lines, then a
             page that asks for one of the thing's attributes (the reply clicks the saved value), or a saved
             memo "... is <name>." (the reply searches for the name); the value follows `[ ` as the
@@ -28,9 +31,9 @@ RIME's reader (pretrain.py, whose training loop, ladder and cache this file reus
 
 Every word is a random span of the BPE's alphanumeric tokens (a word-start token, then 0-2 pieces): no
 environment's names, options or answers are drawn (the templates use the environments' action words).
-The course: copying until it passes 0.8, the acting mix, a cool-down, then two stages that decay the lr
-again: the repeats stage (span items beside the chat rungs) and the keyed stage (mostly carry and reread),
-where the two chat rungs rose most (docs/camg.md). What the reader learns is to find and copy; what to
+The course: copying until it passes 0.8, the acting mix, a cool-down, then three stages that decay the lr
+again: the repeats stage (span items beside the chat rungs), the keyed stage (mostly carry and reread),
+where the two chat rungs rose most, and the save stage (the save in the tasks' shapes; docs/camg.md). What the reader learns is to find and copy; what to
 save, when, and what to do with it is left to the warm start (the reference trajectories) and to RL
 (camg.py).
 """
@@ -43,7 +46,7 @@ from dataclasses import dataclass
 import pretrain
 from pretrain import Course, Item
 
-VERSION = 6
+VERSION = 7
 
 
 @dataclass
@@ -54,6 +57,7 @@ class Args(pretrain.Args):
     infer_steps: int = 0         # (RIME's inference stage: not part of this course)
     repeat_steps: int = 1500     # then the repeats stage (span items beside the acting mix; recipe 4)
     keyed_steps: int = 3000      # then the keyed stage (the chat rungs, most of all the keyed carry; recipe 6)
+    save_steps: int = 1000       # then the save stage (the save in the tasks' own form; recipe 7)
 
 
 def new_model(seed: int):
@@ -155,8 +159,9 @@ class Data(pretrain.Data):
     SHOW = (("click[note]", "Shopping note"), ("memo[]", "Memo"), ("note", "Lab note"))
 
     def carry(self) -> Item:
-        """The save after a note: the lines of the thing the task names (a Shop note), or the memo's one
-        sentence, in camg_memory.write_action's form."""
+        """The save after a note as recipes 2-6 trained it: the lines of the thing the task names (a Shop
+        note), or the memo's one sentence after the note's title in lower case, written by `printf` (the
+        form camg_memory.write_action had before recipe 7). Measured, no longer the tasks' form: `save`."""
         action, title = self.rng.choice(self.SHOW)
         if self.rng.random() < 0.7:
             lines = self.note()
@@ -168,6 +173,34 @@ class Data(pretrain.Data):
             thing = self.word()
             sentence = f"{self.phrase(2, 5)} {self.phrase(1, 3)}."
             note, saved, chance = f"{title} (shown once): {sentence}", [f"- {title.lower()}: {sentence}"], 0.0
+        tokens = self.fmt.prompt(self.rollout.ACTOR_SYSTEM, self.first_turn(self.task_text(thing)))
+        tokens += self.fmt.scripted_reply(f"<action>{action}</action>") + self.fmt.user_turn(note, True)
+        quoted = " ".join("'" + line + "'" for line in saved)
+        answer = self.fmt.scripted_reply(f"<action>shell: printf '%s\\n' {quoted} > {self.rollout.CONTINUATION_PATH}</action>")
+        return Item(tokens + answer, [0] * len(tokens) + [1] * len(answer), chance)
+
+    def save(self) -> Item:
+        """The save after a note as the tasks make it (recipe 7): the lines of the thing the task names (a
+        Shop note), or the sentence of a memo (DeepResearch's: `- memo: <its sentence>`), or the tail of a
+        lab note after "found the best <w>:" (AutoResearch's: `- best <w>: <tail>`), written by
+        camg_memory.write_action. Recipe 6's `carry` lost 20 of its 55 memo items on a shape no task has
+        (the title in lower case, "- shopping note: ..."), and its keyed saves mostly inside a line."""
+        action, title = self.rng.choice(self.SHOW)
+        if self.rng.random() < 0.7:
+            lines = self.note()
+            thing = self.rng.choice(lines)[0]
+            note = f"{title} (shown once):\n" + "\n".join(f"- {x} {y} {z}" for x, y, z in lines)
+            saved = [f"- {x} {y} {z}" for x, y, z in lines if x == thing]
+            chance = 1 / len({x for x, _, _ in lines})
+        else:
+            thing, chance = self.word(), 0.0
+            if self.rng.random() < 0.5:
+                action, sentence = "memo[]", f"{self.phrase(2, 5)} {self.phrase(1, 3)}."
+                note, saved = f"Memo (shown once): {sentence}", [f"- memo: {sentence}"]
+            else:
+                action, w, tail = "note", self.word(), self.phrase(2, 6)
+                note = f"Lab note (shown once): {self.phrase(3, 8)}. {self.phrase(1, 3)} found the best {w}: {tail}"
+                saved = [f"- best {w}: {tail}"]
         tokens = self.fmt.prompt(self.rollout.ACTOR_SYSTEM, self.first_turn(self.task_text(thing)))
         tokens += self.fmt.scripted_reply(f"<action>{action}</action>") + self.fmt.user_turn(note, True)
         answer = self.fmt.scripted_reply(f"<action>{self.memory.write_action(saved)}</action>")
@@ -220,12 +253,15 @@ class Data(pretrain.Data):
 # rung -> used by the tasks. lookup is measured, not required: no hop reads a whole note by two keys (the
 # save matches the thing the task names, the read after the reset the attribute among the thing's own
 # lines), and over random two-word keys whose attributes repeat it stayed at 0.00 for the 150 steps of a
-# notes phase while copying was already at 0.83 (docs/camg.md, "The reader")
-RUNGS = {"copy": True, "lookup": False, "carry": True, "reread": True, "span": False}
+# notes phase while copying was already at 0.83 (docs/camg.md, "The reader"). The chat rungs the hops use
+# are `save` and `reread`; `carry` is the save in the form recipes 2-6 trained (printf, a memo's title in
+# lower case), measured, no longer the tasks' form
+RUNGS = {"copy": True, "lookup": False, "carry": False, "reread": True, "span": False, "save": True}
 # span is the skill under the keyed carry, measured and trained by the repeats stage only: the reader of
 # recipe 3 copied a span of distinct words exactly in 0.97 of items, one whose words repeat in 0.39, and
 # 92 of 128 of its keyed carries first went wrong after a token the note holds twice (docs/camg.md)
-STAGE_ONLY = {"span"}
+# save is trained by the save stage only (recipe 7), after the stages recipe 6 ran
+STAGE_ONLY = {"span", "save"}
 # (phase, pool (0 = every word), {rung: weight}, share of --batch, gate): copying forms first (measured:
 # ~300 steps), then the chat rungs beside it (rows ~4x longer: half the items a step)
 PHASES = [("copy", 0, {"copy": 1.0}, 1.0, {"copy": 0.8}),
@@ -242,6 +278,10 @@ REPEAT_SEED = 6_271
 # lr reached 0, while span and copy were at 1.0 (so they keep a small share, as rehearsal)
 KEYED = {"span": 0.1, "copy": 0.1, "carry": 0.5, "reread": 0.3}
 KEYED_SEED = 8_191
+# the save stage (recipe 7): the keyed stage's mix and decay with the save in the tasks' form in carry's place.
+# Measured from the recipe-6 reader, 1,000 steps, 200 held-out items of each (docs/camg.md, "Recipe 7")
+SAVES = {"span": 0.1, "copy": 0.1, "save": 0.5, "reread": 0.3}
+SAVE_SEED = 99_001
 
 
 def bpe_hash() -> str:
@@ -259,19 +299,21 @@ def recipe(args: Args) -> dict:
             "anneal_lr": args.anneal_lr, "anneal_seed": ANNEAL_SEED, "phases": PHASES,
             "repeat_steps": args.repeat_steps, "repeat_seed": REPEAT_SEED, "repeats": REPEATS,
             "keyed_steps": args.keyed_steps, "keyed_seed": KEYED_SEED, "keyed": KEYED,
+            "save_steps": args.save_steps, "save_seed": SAVE_SEED, "saves": SAVES,
             "gate_every": pretrain.GATE_EVERY, "pool_seed": pretrain.POOL_SEED}
 
 
 def stages(args: Args) -> list:
     return [("cool-down", PHASES[-1][2], args.anneal_steps, ANNEAL_SEED),
             ("repeats", REPEATS, args.repeat_steps, REPEAT_SEED),
-            ("keyed", KEYED, args.keyed_steps, KEYED_SEED)]
+            ("keyed", KEYED, args.keyed_steps, KEYED_SEED),
+            ("save", SAVES, args.save_steps, SAVE_SEED)]
 
 
-# recipe 5 = recipe 4 on a new BPE (Shop's words in fewer pieces); a finished recipe-5 reader has recipe 6's
-# first two stages (--base builds the keyed stage on it)
+# recipe 5 = recipe 4 on a new BPE (Shop's words in fewer pieces); a finished recipe-5 reader has this
+# recipe's first two stages, a recipe-6 reader its first three (--base builds the rest on it)
 COURSE = Course("camg_reader", pretrain.REPO / "weights" / "camg_reader", new_model, Data, RUNGS, PHASES, 0,
-                recipe, stages, args=Args, stage_only=frozenset(STAGE_ONLY), base_stages=((5, 2),))
+                recipe, stages, args=Args, stage_only=frozenset(STAGE_ONLY), base_stages=((5, 2), (6, 3)))
 
 
 def load(build_if_missing: bool = True):
@@ -279,6 +321,8 @@ def load(build_if_missing: bool = True):
     import camg_worker
     from model import load as load_dir, load_tokenizer
     d = pretrain.reader_dir(Args(), build_if_missing, COURSE)
+    if not (d / "recipe.json").exists():
+        raise SystemExit(f"camg_reader: no reader of this recipe at {d}: build it with `python camg_reader.py`")
     tok = load_tokenizer(d)
     if tok.get_vocab() != camg_worker.small_tokenizer().get_vocab():   # the workers decode with this one
         raise SystemExit(f"camg_reader: {d} has another BPE than camg.py's ({camg_worker.BPE_PATH}): "

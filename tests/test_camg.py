@@ -504,6 +504,19 @@ def test_warm_start_skips_a_model_that_follows_the_protocol_and_stops_at_the_thr
     assert logged[-1]["sft_loss"] > 0 and learner.optimizer.param_groups[0]["lr"] == cfg.lr
 
 
+def test_the_warm_start_rehearses_the_readers_rungs_in_the_tasks_form(tmp_path, monkeypatch):
+    """The rows that keep the reading through the warm start are the reader's last stage's mix: every rung
+    the tasks use, the save in the tasks' form (camg_reader's `save`), not recipe 6's `carry`."""
+    import camg_reader
+    import camg_worker
+    import pretrain
+    mixes = []
+    monkeypatch.setattr(pretrain, "step_items", lambda data, mix, n: mixes.append(mix) or [])
+    camg.reading_rows(tiny_cfg(tmp_path, model="reader"), camg_worker.small_tokenizer())(4)
+    used = {r for r, u in camg_reader.RUNGS.items() if u}
+    assert mixes and used <= set(mixes[0]) and "carry" not in mixes[0]
+
+
 def test_the_laptop_models_log_their_reading_ladder_around_the_warm_start(tmp_path, monkeypatch):
     """--model small / reader: camg_reader.py's ladder is measured and logged before and after the warm
     start (a rung at chance says which copy a relay episode cannot make); --model reader is "small" after
@@ -586,7 +599,7 @@ def test_warm_start_decays_its_lr_and_rehearses_the_reading(tmp_path, monkeypatc
     for _, batch in seen:
         lengths = sorted(batch.lengths.tolist())
         assert lengths[:4] == [4] * 4 and min(lengths[4:]) > 10 and len(lengths) == 8   # 4 task rows, 4 reading rows
-    assert learner.optimizer.param_groups[0]["lr"] == cfg.lr and camg_reader.RUNGS["carry"]
+    assert learner.optimizer.param_groups[0]["lr"] == cfg.lr and camg_reader.RUNGS["save"]
 
 
 def test_warmstart_rows_imitate_the_reference_through_resets(tmp_path):

@@ -63,6 +63,48 @@ def test_carry_saves_the_named_things_lines_as_the_reference_agents_write_them(f
     assert 15 <= keyed < 40
 
 
+def test_save_writes_what_the_tasks_save(fresh):
+    """The save rung (recipe 7) in the tasks' own shapes: a Shop-shaped note's named lines; a memo's sentence
+    as DeepResearch's reference saves it (`- memo: <sentence>`); a lab note's tail after "found the best
+    <w>:" as AutoResearch's does (`- best <w>: <tail>`); written by camg_memory.write_action."""
+    _, tok = fresh
+    kinds = set()
+    for prompt, reply in chat_items(tok, "save", seed=5, n=60):
+        action = re.fullmatch(r"<action>(.*)</action>", reply, re.S).group(1)
+        saved = re.findall(r"'(- [^']*)'", action)
+        assert action == camg_memory.write_action(saved)
+        note = prompt.rsplit("(shown once):", 1)[1].strip().removesuffix("assistant").strip()
+        if note.startswith("- "):
+            kinds.add("keyed")
+            assert saved and all(line in note.splitlines() for line in saved)
+        elif "Memo (shown once)" in prompt:
+            kinds.add("memo")
+            assert saved == [f"- memo: {note}"]
+        else:
+            kinds.add("lab")
+            head, tail = note.rsplit(" found the best ", 1)
+            w, rest = tail.split(": ", 1)
+            assert saved == [f"- best {w}: {rest}"]
+    assert kinds == {"keyed", "memo", "lab"}
+
+
+@pytest.mark.parametrize("name, shown, saved", [("deepresearch", r"Memo \(shown once\): (.+)", "- memo: {0}"),
+                                                ("autoresearch", r"found the best (\w+): (.+)", "- best {0}: {1}")])
+def test_the_save_shapes_are_the_environments(name, shown, saved):
+    """The save rung's memo and lab note are what DeepResearch's and AutoResearch's relay tasks show, and its
+    saved line is what their reference policies carry (the shapes; the words are random in the rung)."""
+    import rollout
+    env = camg_worker.make_env(name)
+    try:
+        task = next(t for t in env.tasks("train") if env.relay_fact(t))
+        policy = env.reference_policy(task)
+        parts = rollout.scripted_text(env, task, policy)
+    finally:
+        env.close()
+    seen = next(m for p in parts if not p.startswith("<action>") for m in [re.search(shown, p)] if m)
+    assert saved.format(*seen.groups()) in policy.notes()
+
+
 def test_reread_uses_what_the_file_says(fresh):
     """After the reset's `cat`: the saved value the page asks for is clicked, or the memo's name searched."""
     _, tok = fresh
@@ -145,11 +187,11 @@ def test_an_untrained_model_is_at_chance(fresh):
 
 def test_a_short_build_runs_resumes_and_is_found_in_the_cache(tmp_path, monkeypatch):
     """The course through pretrain.py's loop: 6 curriculum steps, a 3-step cool-down, a 2-step repeats
-    stage and a 2-step keyed stage, killed after step 4 and resumed from its step-3 checkpoint; the finished
-    reader is found by its recipe in the cache."""
+    stage, a 2-step keyed stage and a 2-step save stage, killed after step 4 and resumed from its step-3
+    checkpoint; the finished reader is found by its recipe in the cache."""
     monkeypatch.setenv("RIME_CACHE", str(tmp_path))
-    args = camg_reader.Args(steps=6, anneal_steps=3, repeat_steps=2, keyed_steps=2, batch=4, eval_items=2,
-                            checkpoint_every=3)
+    args = camg_reader.Args(steps=6, anneal_steps=3, repeat_steps=2, keyed_steps=2, save_steps=2, batch=4,
+                            eval_items=2, checkpoint_every=3)
     out = pretrain.cache_dir(args, camg_reader.COURSE)
     assert out.parent.name == "camg_reader"
     real_step, calls = pretrain.train_step, []
@@ -166,31 +208,34 @@ def test_a_short_build_runs_resumes_and_is_found_in_the_cache(tmp_path, monkeypa
     monkeypatch.setattr(pretrain, "train_step", real_step)
     assert pretrain.reader_dir(args, course=camg_reader.COURSE) == out       # resumes the build
     rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 14))
-    assert [r["phase"] for r in rows[6:]] == ["cool-down"] * 3 + ["repeats"] * 2 + ["keyed"] * 2
+    assert [r["step"] for r in rows] == list(range(1, 16))
+    assert [r["phase"] for r in rows[6:]] == ["cool-down"] * 3 + ["repeats"] * 2 + ["keyed"] * 2 + ["save"] * 2
     assert json.loads((out / "recipe.json").read_text()) == pretrain.recipe(args, camg_reader.COURSE)
     assert set(json.loads((out / "ladder.json").read_text())) == set(camg_reader.RUNGS)
     # the default recipe is another key: RIME's reader and CAMG's never share a cache entry
     assert pretrain.recipe_key(args, camg_reader.COURSE) != pretrain.recipe_key(pretrain.Args())
 
 
-def test_a_recipe_5_reader_is_a_base_for_the_keyed_stage(tmp_path, monkeypatch):
-    """--base: a finished recipe-5 reader (the curriculum, the cool-down and the repeats stage; no keyed
-    stage in its recipe.json) is where recipe 6 goes on: the build runs only the keyed stage and ends with
-    the weights of a whole build."""
+@pytest.mark.parametrize("version", [5, 6])
+def test_an_earlier_reader_is_a_base_for_the_later_stages(tmp_path, monkeypatch, version):
+    """--base: a finished recipe-5 reader (the curriculum, the cool-down and the repeats stage) or recipe-6
+    reader (and the keyed stage) is where this recipe goes on: the build runs only the stages it lacks
+    (keyed and save, or save) and ends with the weights of a whole build."""
     monkeypatch.setattr(pretrain, "ladder", lambda model, tok, num_items=0, seed=0, rungs=None, pool=0, course=None: {
         r: {"accuracy": 0.0, "chance": 0.0, "used": u, "items": 0} for r, u in camg_reader.RUNGS.items()})
     kw = dict(steps=4, anneal_steps=2, repeat_steps=2, batch=4, eval_items=2, checkpoint_every=50, threads=1)
     course = camg_reader.COURSE
-    pretrain.build(camg_reader.Args(keyed_steps=3, **kw), tmp_path / "whole", course)
-    pretrain.build(camg_reader.Args(keyed_steps=0, **kw), tmp_path / "base", course)
+    pretrain.build(camg_reader.Args(keyed_steps=3, save_steps=2, **kw), tmp_path / "whole", course)
+    lacks = ("keyed", "save") if version == 5 else ("save",)
+    base = dict(keyed_steps=0 if version == 5 else 3, save_steps=0)
+    pretrain.build(camg_reader.Args(**base, **kw), tmp_path / "base", course)
     stored = json.loads((tmp_path / "base" / "recipe.json").read_text())
     (tmp_path / "base" / "recipe.json").write_text(json.dumps(
-        {k: v for k, v in stored.items() if not k.startswith("keyed")} | {"version": 5}))
-    args = camg_reader.Args(keyed_steps=3, base=str(tmp_path / "base"), **kw)
+        {k: v for k, v in stored.items() if not k.startswith(lacks)} | {"version": version}))
+    args = camg_reader.Args(keyed_steps=3, save_steps=2, base=str(tmp_path / "base"), **kw)
     pretrain.build(args, tmp_path / "cont", course)
     rows = [json.loads(r) for r in (tmp_path / "cont" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["phase"] for r in rows][-4:] == ["repeats", "keyed", "keyed", "keyed"]
+    assert [r["phase"] for r in rows][-6:] == ["repeats"] + ["keyed"] * 3 + ["save"] * 2
     from model import load
     a, b = load(tmp_path / "whole").state_dict(), load(tmp_path / "cont").state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -199,15 +244,18 @@ def test_a_recipe_5_reader_is_a_base_for_the_keyed_stage(tmp_path, monkeypatch):
 
 def test_the_shipped_reader_is_this_recipe_and_reads():
     """weights/camg_reader is what `camg_reader.py` builds with its defaults (recipe.json matches), loads,
-    and does on fresh held-out items what its ladder.json says (64 items a rung, within sampling error):
-    it copies spans well above chance. Its other rungs are as measured (docs/camg.md), not a target."""
+    and does on fresh held-out items what its ladder.json says (64 items a rung, within three standard
+    errors of the difference of two binomial rates, at least 0.05): it copies spans well above chance. Its
+    other rungs are as measured (docs/camg.md), not a target."""
     course = camg_reader.COURSE
     assert pretrain.shipped_matches(camg_reader.Args(), course), "weights/camg_reader is stale: rebuild it"
     model, tok = camg_reader.load(build_if_missing=False)      # (refuses a reader of another BPE than camg.py's)
     stored = json.loads((course.shipped / "ladder.json").read_text())
     now = pretrain.ladder(model, tok, num_items=64, seed=50_021, course=course)   # not a seed any build trains on
     for rung, r in now.items():
-        assert abs(r["accuracy"] - stored[rung]["accuracy"]) <= 0.15, (rung, r["accuracy"], stored[rung]["accuracy"])
+        p, n = stored[rung]["accuracy"], stored[rung]["items"]
+        tol = max(0.05, 3 * (p * (1 - p) * (1 / 64 + 1 / n)) ** 0.5)
+        assert abs(r["accuracy"] - p) <= tol, (rung, r["accuracy"], p, tol)
     assert now["copy"]["accuracy"] >= 0.8
 
 
