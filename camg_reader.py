@@ -33,9 +33,9 @@ Every word is a random span of the BPE's alphanumeric tokens (a word-start token
 environment's names, options or answers are drawn (the templates use the environments' action words).
 The course: copying until it passes 0.8, the acting mix, a cool-down, then three stages that decay the lr
 again: the repeats stage (span items beside the chat rungs), the keyed stage (mostly carry and reread),
-where the two chat rungs rose most, and the save stage (the save in the tasks' shapes; docs/camg.md). What the reader learns is to find and copy; what to
-save, when, and what to do with it is left to the warm start (the reference trajectories) and to RL
-(camg.py).
+where the two chat rungs rose most, and the save stage (the save in the tasks' shapes; docs/camg.md).
+What the reader learns is to find and copy; what to save, when, and what to do with it is left to the
+warm start (the reference trajectories) and to RL (camg.py).
 """
 
 import random
@@ -164,20 +164,14 @@ class Data(pretrain.Data):
         form camg_memory.write_action had before recipe 7). Measured, no longer the tasks' form: `save`."""
         action, title = self.rng.choice(self.SHOW)
         if self.rng.random() < 0.7:
-            lines = self.note()
-            thing = self.rng.choice(lines)[0]
-            note = f"{title} (shown once):\n" + "\n".join(f"- {x} {y} {z}" for x, y, z in lines)
-            saved = [f"- {x} {y} {z}" for x, y, z in lines if x == thing]
-            chance = 1 / len({x for x, _, _ in lines})
+            thing, note, saved, chance = self.keyed_note(title)
         else:
             thing = self.word()
             sentence = f"{self.phrase(2, 5)} {self.phrase(1, 3)}."
             note, saved, chance = f"{title} (shown once): {sentence}", [f"- {title.lower()}: {sentence}"], 0.0
-        tokens = self.fmt.prompt(self.rollout.ACTOR_SYSTEM, self.first_turn(self.task_text(thing)))
-        tokens += self.fmt.scripted_reply(f"<action>{action}</action>") + self.fmt.user_turn(note, True)
-        quoted = " ".join("'" + line + "'" for line in saved)
-        answer = self.fmt.scripted_reply(f"<action>shell: printf '%s\\n' {quoted} > {self.rollout.CONTINUATION_PATH}</action>")
-        return Item(tokens + answer, [0] * len(tokens) + [1] * len(answer), chance)
+        quoted = " ".join(f"'{line}'" for line in saved)
+        printf = f"shell: printf '%s\\n' {quoted} > {self.rollout.CONTINUATION_PATH}"
+        return self.saved_after(thing, action, note, printf, chance)
 
     def save(self) -> Item:
         """The save after a note as the tasks make it (recipe 7): the lines of the thing the task names (a
@@ -187,11 +181,7 @@ class Data(pretrain.Data):
         (the title in lower case, "- shopping note: ..."), and its keyed saves mostly inside a line."""
         action, title = self.rng.choice(self.SHOW)
         if self.rng.random() < 0.7:
-            lines = self.note()
-            thing = self.rng.choice(lines)[0]
-            note = f"{title} (shown once):\n" + "\n".join(f"- {x} {y} {z}" for x, y, z in lines)
-            saved = [f"- {x} {y} {z}" for x, y, z in lines if x == thing]
-            chance = 1 / len({x for x, _, _ in lines})
+            thing, note, saved, chance = self.keyed_note(title)
         else:
             thing, chance = self.word(), 0.0
             if self.rng.random() < 0.5:
@@ -201,9 +191,21 @@ class Data(pretrain.Data):
                 action, w, tail = "note", self.word(), self.phrase(2, 6)
                 note = f"Lab note (shown once): {self.phrase(3, 8)}. {self.phrase(1, 3)} found the best {w}: {tail}"
                 saved = [f"- best {w}: {tail}"]
+        return self.saved_after(thing, action, note, self.memory.write_action(saved), chance)
+
+    def keyed_note(self, title: str):
+        """A Shop-shaped note under `title`, a thing of it, that thing's lines, and the chance of naming it."""
+        lines = self.note()
+        thing = self.rng.choice(lines)[0]
+        note = f"{title} (shown once):\n" + "\n".join(f"- {x} {y} {z}" for x, y, z in lines)
+        return thing, note, [f"- {x} {y} {z}" for x, y, z in lines if x == thing], 1 / len({x for x, _, _ in lines})
+
+    def saved_after(self, thing: str, action: str, note: str, write: str, chance: float) -> Item:
+        """The chat of a save: a task naming `thing`, the `action` that shows the note, the note; the reply
+        is the `write` action (supervised)."""
         tokens = self.fmt.prompt(self.rollout.ACTOR_SYSTEM, self.first_turn(self.task_text(thing)))
         tokens += self.fmt.scripted_reply(f"<action>{action}</action>") + self.fmt.user_turn(note, True)
-        answer = self.fmt.scripted_reply(f"<action>{self.memory.write_action(saved)}</action>")
+        answer = self.fmt.scripted_reply(f"<action>{write}</action>")
         return Item(tokens + answer, [0] * len(tokens) + [1] * len(answer), chance)
 
     def reread(self) -> Item:
