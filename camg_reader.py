@@ -160,8 +160,8 @@ class Data(pretrain.Data):
 
     def carry(self) -> Item:
         """The save after a note as recipes 2-6 trained it: the lines of the thing the task names (a Shop
-        note), or the memo's one sentence after the note's title in lower case, written by `printf` (the
-        form camg_memory.write_action had before recipe 7). Measured, no longer the tasks' form: `save`."""
+        note), or the memo's one sentence after the note's title in lower case (a shape no task has),
+        written by camg_memory.write_action. Measured, no longer the tasks' form: `save`."""
         action, title = self.rng.choice(self.SHOW)
         if self.rng.random() < 0.7:
             thing, note, saved, chance = self.keyed_note(title)
@@ -169,9 +169,7 @@ class Data(pretrain.Data):
             thing = self.word()
             sentence = f"{self.phrase(2, 5)} {self.phrase(1, 3)}."
             note, saved, chance = f"{title} (shown once): {sentence}", [f"- {title.lower()}: {sentence}"], 0.0
-        quoted = " ".join(f"'{line}'" for line in saved)
-        printf = f"shell: printf '%s\\n' {quoted} > {self.rollout.CONTINUATION_PATH}"
-        return self.saved_after(thing, action, note, printf, chance)
+        return self.saved_after(thing, action, note, self.memory.write_action(saved), chance)
 
     def save(self) -> Item:
         """The save after a note as the tasks make it (recipe 7): the lines of the thing the task names (a
@@ -256,7 +254,7 @@ class Data(pretrain.Data):
 # save matches the thing the task names, the read after the reset the attribute among the thing's own
 # lines), and over random two-word keys whose attributes repeat it stayed at 0.00 for the 150 steps of a
 # notes phase while copying was already at 0.83 (docs/camg.md, "The reader"). The chat rungs the hops use
-# are `save` and `reread`; `carry` is the save in the form recipes 2-6 trained (printf, a memo's title in
+# are `save` and `reread`; `carry` is the save in the form recipes 2-6 trained (a memo's title in
 # lower case), measured, no longer the tasks' form
 RUNGS = {"copy": True, "lookup": False, "carry": False, "reread": True, "span": False, "save": True}
 # span is the skill under the keyed carry, measured and trained by the repeats stage only: the reader of
