@@ -311,11 +311,12 @@ WARMSTART_CHECK_EVERY = 25        # imitation steps between two held-out format-
 
 
 def reading_rows(cfg: Config, tokenizer):
-    """n -> n rows of camg_reader.py's last stage's mix (since recipe 7 the save stage: the save and the
+    """n -> n rows of camg_reader.py's last stage's mix (since recipe 8 the line stage: the save and the
     read after a reset in the tasks' form, beside copies and spans whose words repeat; random words): the
     reading rehearsed in each warm-start batch. Imitation alone erases a reader's reading (measured on
     RIME's: lookups 1.00 -> 0.16 in 150 steps; with half of each batch rehearsal 0.69-0.89, docs/reader.md).
-    Before 2026-12-06 this was the repeats stage's mix, whose save was recipe 6's form (`carry`)."""
+    Before 2026-12-06 this was the repeats stage's mix, whose save was recipe 6's form (`carry`); then the
+    save stage's (recipe 7, Shop's note a line per attribute)."""
     import camg_reader
     import pretrain
     data = camg_reader.Data(tokenizer, cfg.seed + 31_337)

@@ -1,6 +1,6 @@
 """CAMG's reader: camg.py's laptop model learns to copy spans and read keyed notes before it meets a task.
 
-    python camg_reader.py            # build it once (~3.5 h at 1 thread) and cache it; rerun = reuse
+    python camg_reader.py            # build it once (~4 h at 1 thread) and cache it; rerun = reuse
     python camg_reader.py --check    # its reading ladder: accuracy per rung on held-out random items
     python camg_reader.py --where    # its HF directory (weights + tokenizer; model.load / load_tokenizer)
 
@@ -17,23 +17,28 @@ RIME's reader (pretrain.py, whose training loop, ladder and cache this file reus
             position occurs elsewhere in the span: copying by the token before fails there, and the copy
             must keep its place (the keyed carry's note repeats its attribute words the same way)
   lookup    "- thing attr value" note lines (4-17, a thing may have several), then "need thing attr" ->
-            " value": the Shop note's shape (measured beside the others: no hop needs it)
-  save      the actor's chat: a task naming a thing, the action that shows a note, the note; the reply
-            saves the thing's lines, or a memo's sentence (DeepResearch's `- memo: ...`), or a lab note's
-            tail (AutoResearch's `- best recipe: ...`), to CONTINUATION.md as camg_memory's reference
-            agents write them: a choice of lines, then a copy
+            " value": the Shop note's shape until recipe 8 (measured beside the others: no hop needs it)
+  save_line the actor's chat: a task naming a thing, the action that shows a note, the note; the reply
+            saves the thing's line (Shop's note since recipe 8: a line per thing, "- thing attr value attr
+            value", its values repeating across things), or a memo's sentence (DeepResearch's `- memo:
+            ...`), or a lab note's tail (AutoResearch's `- best recipe: ...`), to CONTINUATION.md as
+            camg_memory's reference agents write them: a choice of line, then a copy
+  save      the same with recipe 7's Shop note, a line per attribute ("- thing attr value"): measured, and
+            still in recipe 7's save stage so that it stays what it was
   carry     the save as recipes 2-6 trained it (its memos after their title in lower case, a shape no
             task has): measured, and still in the earlier stages' mixes so that they stay what they were
   reread    the chat after a context reset: the task, `cat CONTINUATION.md` and the saved lines, then a
             page that asks for one of the thing's attributes (the reply clicks the saved value), or a saved
             memo "... is <name>." (the reply searches for the name); the value follows `[ ` as the
-            reference policies write it, so it is the same tokens as where it was read
+            reference policies write it, so it is the same tokens as where it was read; `reread_line`
+            is the same after a save_line (the tasks' form), `reread` after recipe 7's lines
 
 Every word is a random span of the BPE's alphanumeric tokens (a word-start token, then 0-2 pieces): no
 environment's names, options or answers are drawn (the templates use the environments' action words).
 The course: copying until it passes 0.8, the acting mix, a cool-down, then three stages that decay the lr
 again: the repeats stage (span items beside the chat rungs), the keyed stage (mostly carry and reread),
-where the two chat rungs rose most, and the save stage (the save in the tasks' shapes; docs/camg.md).
+where the two chat rungs rose most, the save stage (the save in the tasks' shapes; docs/camg.md), and the
+line stage (the same on Shop's note of a line per thing).
 What the reader learns is to find and copy; what to save, when, and what to do with it is left to the
 warm start (the reference trajectories) and to RL (camg.py).
 """
@@ -46,7 +51,7 @@ from dataclasses import dataclass
 import pretrain
 from pretrain import Course, Item
 
-VERSION = 7
+VERSION = 8
 
 
 @dataclass
@@ -58,6 +63,7 @@ class Args(pretrain.Args):
     repeat_steps: int = 1500     # then the repeats stage (span items beside the acting mix; recipe 4)
     keyed_steps: int = 3000      # then the keyed stage (the chat rungs, most of all the keyed carry; recipe 6)
     save_steps: int = 1000       # then the save stage (the save in the tasks' own form; recipe 7)
+    line_steps: int = 1000       # then the line stage (the Shop note of a line per thing; recipe 8)
 
 
 def new_model(seed: int):
@@ -172,14 +178,24 @@ class Data(pretrain.Data):
         return self.saved_after(thing, action, note, self.memory.write_action(saved), chance)
 
     def save(self) -> Item:
-        """The save after a note as the tasks make it (recipe 7): the lines of the thing the task names (a
-        Shop note), or the sentence of a memo (DeepResearch's: `- memo: <its sentence>`), or the tail of a
-        lab note after "found the best <w>:" (AutoResearch's: `- best <w>: <tail>`), written by
-        camg_memory.write_action. Recipe 6's `carry` lost 20 of its 55 memo items on a shape no task has
-        (the title in lower case, "- shopping note: ..."), and its keyed saves mostly inside a line."""
+        """The save after a note as recipe 7 trained it: the lines of the thing the task names (a Shop note
+        of a line per attribute, `keyed_note`), or the sentence of a memo (DeepResearch's: `- memo: <its
+        sentence>`), or the tail of a lab note after "found the best <w>:" (AutoResearch's: `- best <w>:
+        <tail>`), written by camg_memory.write_action. Recipe 6's `carry` lost 20 of its 55 memo items on a
+        shape no task has (the title in lower case, "- shopping note: ..."), and its keyed saves mostly
+        inside a line. Measured, no longer the tasks' form since recipe 8: `save_line`."""
+        return self.save_of(self.keyed_note)
+
+    def save_line(self) -> Item:
+        """The save as the tasks make it (recipe 8): `save` with the Shop note of a line per thing
+        (`keyed_line`), whose save is that one line."""
+        return self.save_of(self.keyed_line)
+
+    def save_of(self, keyed) -> Item:
+        """A save whose keyed note (70% of items) comes from keyed(title); the rest a memo or a lab note."""
         action, title = self.rng.choice(self.SHOW)
         if self.rng.random() < 0.7:
-            thing, note, saved, chance = self.keyed_note(title)
+            thing, note, saved, chance = keyed(title)
         else:
             thing, chance = self.word(), 0.0
             if self.rng.random() < 0.5:
@@ -198,6 +214,27 @@ class Data(pretrain.Data):
         note = f"{title} (shown once):\n" + "\n".join(f"- {x} {y} {z}" for x, y, z in lines)
         return thing, note, [f"- {x} {y} {z}" for x, y, z in lines if x == thing], 1 / len({x for x, _, _ in lines})
 
+    def line_note(self) -> dict:
+        """A Shop note of recipe 8: 2-10 things (1-2 words), each with 1-2 of 4 attributes, the values drawn
+        with replacement from 3-8 words (as a real note's sizes and colours repeat across its things);
+        {thing: [(attr, value)]} in the note's order, written one line per thing (`line_of`)."""
+        things = list(dict.fromkeys(self.phrase(1, 2) for _ in range(self.rng.randint(2, 10))))
+        attrs, values = self.words(4), self.words(self.rng.randint(3, 8))
+        return {t: [(a, self.rng.choice(values)) for a in self.rng.sample(attrs, self.rng.randint(1, 2))]
+                for t in things}
+
+    @staticmethod
+    def line_of(thing: str, pairs: list) -> str:
+        """A thing's line: "- thing attr value attr value" (shop.note_lines' form)."""
+        return f"- {thing} " + " ".join(f"{a} {v}" for a, v in pairs)
+
+    def keyed_line(self, title: str):
+        """keyed_note's recipe-8 form: a note of a line per thing; its save is the named thing's line."""
+        note = self.line_note()
+        thing = self.rng.choice(list(note))
+        text = f"{title} (shown once):\n" + "\n".join(self.line_of(t, p) for t, p in note.items())
+        return thing, text, [self.line_of(thing, note[thing])], 1 / len(note)
+
     def saved_after(self, thing: str, action: str, note: str, write: str, chance: float) -> Item:
         """The chat of a save: a task naming `thing`, the `action` that shows the note, the note; the reply
         is the `write` action (supervised)."""
@@ -210,7 +247,15 @@ class Data(pretrain.Data):
         """After a reset: the task, the `cat` of the saved lines, then either an item page asking for one of
         the thing's attributes among other options (the reply clicks the saved value), or, when the file
         holds a memo whose sentence ends "is <name>." (DeepResearch's), the reply searches for the name. The
-        value follows `[ ` (a space, as the reference policies write it): the tokens it had in the file."""
+        value follows `[ ` (a space, as the reference policies write it): the tokens it had in the file.
+        The saved lines are recipe 7's, a line per attribute; since recipe 8 the tasks' form: `reread_line`."""
+        return self.reread_of(line=False)
+
+    def reread_line(self) -> Item:
+        """`reread` of a save in recipe 8's form: the thing's one line (line_note, line_of)."""
+        return self.reread_of(line=True)
+
+    def reread_of(self, line: bool) -> Item:
         other = [f"- {self.word()} {self.phrase(1, 3)}"] * self.rng.randint(0, 1)
         if self.rng.random() < 0.3:
             name = self.phrase(1, 2)
@@ -218,12 +263,18 @@ class Data(pretrain.Data):
             tokens = self.after_reset(self.word(), saved)
             answer = self.fmt.scripted_reply(f"<action>search[ {name}]</action>")
             return Item(tokens + answer, [0] * len(tokens) + [1] * len(answer), 0.0)
-        lines = self.note()
-        thing = self.rng.choice(lines)[0]
-        mine = [(a, v) for x, a, v in lines if x == thing]
+        if line:
+            note = self.line_note()
+            thing = self.rng.choice(list(note))
+            mine = note[thing]
+        else:
+            lines = self.note()
+            thing = self.rng.choice(lines)[0]
+            mine = [(a, v) for x, a, v in lines if x == thing]
         k = self.rng.randrange(len(mine))          # the page asks for this one; those before it are chosen
         a, v = mine[k]
-        tokens = self.after_reset(thing, [f"- {thing} {x} {y}" for x, y in mine] + other)
+        saved = [self.line_of(thing, mine)] if line else [f"- {thing} {x} {y}" for x, y in mine]
+        tokens = self.after_reset(thing, saved + other)
         item = f"B{self.rng.randint(10000, 99999)}"
         tokens += self.fmt.scripted_reply(f"<action>click[ {item}]</action>")
         offered, n_options = [], 0
@@ -254,14 +305,17 @@ class Data(pretrain.Data):
 # save matches the thing the task names, the read after the reset the attribute among the thing's own
 # lines), and over random two-word keys whose attributes repeat it stayed at 0.00 for the 150 steps of a
 # notes phase while copying was already at 0.83 (docs/camg.md, "The reader"). The chat rungs the hops use
-# are `save` and `reread`; `carry` is the save in the form recipes 2-6 trained (a memo's title in
-# lower case), measured, no longer the tasks' form
-RUNGS = {"copy": True, "lookup": False, "carry": False, "reread": True, "span": False, "save": True}
+# are `save_line` and `reread_line`; `carry` is the save in the form recipes 2-6 trained (a memo's title in
+# lower case) and `save`/`reread` the save and read of recipe 7's Shop note (a line per attribute), measured,
+# no longer the tasks' form
+RUNGS = {"copy": True, "lookup": False, "carry": False, "reread": False, "span": False, "save": False,
+         "save_line": True, "reread_line": True}
 # span is the skill under the keyed carry, measured and trained by the repeats stage only: the reader of
 # recipe 3 copied a span of distinct words exactly in 0.97 of items, one whose words repeat in 0.39, and
 # 92 of 128 of its keyed carries first went wrong after a token the note holds twice (docs/camg.md)
-# save is trained by the save stage only (recipe 7), after the stages recipe 6 ran
-STAGE_ONLY = {"span", "save"}
+# save is trained by the save stage only (recipe 7), after the stages recipe 6 ran; save_line and reread_line
+# by the line stage only (recipe 8), after the stages recipe 7 ran
+STAGE_ONLY = {"span", "save", "save_line", "reread_line"}
 # (phase, pool (0 = every word), {rung: weight}, share of --batch, gate): copying forms first (measured:
 # ~300 steps), then the chat rungs beside it (rows ~4x longer: half the items a step)
 PHASES = [("copy", 0, {"copy": 1.0}, 1.0, {"copy": 0.8}),
@@ -282,6 +336,11 @@ KEYED_SEED = 8_191
 # Measured from the recipe-6 reader, 1,000 steps, 200 held-out items of each (docs/camg.md, "Recipe 7")
 SAVES = {"span": 0.1, "copy": 0.1, "save": 0.5, "reread": 0.3}
 SAVE_SEED = 99_001
+# the line stage (recipe 8): the save stage's mix and decay on Shop notes of a line per thing (shop.note_lines
+# since 2026-12-06). Measured from the recipe-7 reader, 300 steps of such a stage, 200 held-out keyed saves
+# (docs/camg.md, "Recipe 8"): a line per thing 0.77 -> 0.95, a line per attribute 0.705 -> 0.71
+LINES = {"span": 0.1, "copy": 0.1, "save_line": 0.5, "reread_line": 0.3}
+LINE_SEED = 99_013
 
 
 def bpe_hash() -> str:
@@ -300,6 +359,7 @@ def recipe(args: Args) -> dict:
             "repeat_steps": args.repeat_steps, "repeat_seed": REPEAT_SEED, "repeats": REPEATS,
             "keyed_steps": args.keyed_steps, "keyed_seed": KEYED_SEED, "keyed": KEYED,
             "save_steps": args.save_steps, "save_seed": SAVE_SEED, "saves": SAVES,
+            "line_steps": args.line_steps, "line_seed": LINE_SEED, "lines": LINES,
             "gate_every": pretrain.GATE_EVERY, "pool_seed": pretrain.POOL_SEED}
 
 
@@ -307,13 +367,15 @@ def stages(args: Args) -> list:
     return [("cool-down", PHASES[-1][2], args.anneal_steps, ANNEAL_SEED),
             ("repeats", REPEATS, args.repeat_steps, REPEAT_SEED),
             ("keyed", KEYED, args.keyed_steps, KEYED_SEED),
-            ("save", SAVES, args.save_steps, SAVE_SEED)]
+            ("save", SAVES, args.save_steps, SAVE_SEED),
+            ("line", LINES, args.line_steps, LINE_SEED)]
 
 
 # recipe 5 = recipe 4 on a new BPE (Shop's words in fewer pieces); a finished recipe-5 reader has this
-# recipe's first two stages, a recipe-6 reader its first three (--base builds the rest on it)
+# recipe's first two stages, a recipe-6 reader its first three, a recipe-7 reader four (--base builds the
+# rest on it)
 COURSE = Course("camg_reader", pretrain.REPO / "weights" / "camg_reader", new_model, Data, RUNGS, PHASES, 0,
-                recipe, stages, args=Args, stage_only=frozenset(STAGE_ONLY), base_stages=((5, 2), (6, 3)))
+                recipe, stages, args=Args, stage_only=frozenset(STAGE_ONLY), base_stages=((5, 2), (6, 3), (7, 4)))
 
 
 def load(build_if_missing: bool = True):

@@ -39,15 +39,18 @@ agent satisfy the hard ones later in the stream. The reference policy does exact
 
 Relay family (`relay_per_shopper` > 0, difficulty 3; camg.py's laptop preset): the instruction gives the
 category, attributes and price limit, and says the options are on the shopping note, `click[note]`,
-shown once per episode (it lists options for every category: the agent finds its own). The note puts
-each value right after its keys, one line per option, so that the words the goal gives (the category,
-then the option's name) sit just before the value a small model has to copy:
+shown once per episode (it lists options for every category: the agent finds its own). The note gives
+each category one line, its options' names and values after it, so that the save is one line found by
+the word the goal names, copied whole:
 
     Shopping note (shown once):
-    - jacket size m
-    - jacket color red
-    - t-shirt size xs
+    - jacket size m color red
+    - t-shirt size xs color navy
     ...
+
+(Until 2026-12-06 a line per option, `- jacket size m`, `- jacket color red`: CAMG's reader saved a
+category's lines from such a note in 0.71 of held-out items and did not improve with more training, and
+one line per category in 0.95 after 300 steps; docs/camg.md, "Recipe 8".)
 
 Under a small context budget the note is gone after a CONTINUATION.md reset, so the task is solved
 only if the options are written down before the reset and read back after it. `relay_policy` is its
@@ -385,8 +388,9 @@ class ShopEnv(ShellTaskEnv):
 
 
 def note_lines(category: str, options: dict) -> str:
-    """A category's lines of the shopping note, each value right after its keys: "- jacket size m"."""
-    return "\n".join(f"- {category} {name} {value}" for name, value in options.items())
+    """A category's line of the shopping note, each value right after its option's name:
+    "- jacket size m color red"."""
+    return f"- {category} " + " ".join(f"{name} {value}" for name, value in options.items())
 
 
 def relay_policy(task: Task):
@@ -396,10 +400,11 @@ def relay_policy(task: Task):
     notes() gives), so a fresh copy after a context reset resumes from the carried file."""
     goal = parse_instruction(f"Instruction: {task.data['goal']['instruction']}")
     st = {"opts": None, "asked": False, "page": None, "tried": set(), "pages_seen": 0, "fallback": False}
-    option_line = re.compile(rf"^- {re.escape(goal['category'])} (\w+) (\S+)$", re.M)   # note_lines' form
+    option_line = re.compile(rf"^- {re.escape(goal['category'])} ((?:\w+ \S+ ?)+)$", re.M)   # note_lines' form
 
     def read_options(obs: str) -> None:
-        st["opts"] = st["opts"] or dict(option_line.findall(obs)) or None
+        line = option_line.search(obs)
+        st["opts"] = st["opts"] or (dict(re.findall(r"(\w+) (\S+)", line.group(1))) if line else None)
 
     def policy(obs: str) -> str:
         read_options(obs)
@@ -418,7 +423,7 @@ def relay_policy(task: Task):
         read_options(obs)
         st["page"] = obs.split("\nActions:")[0] if obs.startswith("[B") else ""
     policy.absorb = absorb
-    policy.notes = lambda: ([*note_lines(goal["category"], st["opts"]).split("\n"),
+    policy.notes = lambda: ([note_lines(goal["category"], st["opts"]),
                              f"- browsing: pages_seen={st['pages_seen']} fallback={int(st['fallback'])} "
                              f"tried={' '.join(sorted(st['tried']))}"] if st["opts"] else []) + \
         ([f"- item page: {st['page'].replace(chr(10), ' || ')}"] if st["page"] else [])

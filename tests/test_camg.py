@@ -599,7 +599,7 @@ def test_warm_start_decays_its_lr_and_rehearses_the_reading(tmp_path, monkeypatc
     for _, batch in seen:
         lengths = sorted(batch.lengths.tolist())
         assert lengths[:4] == [4] * 4 and min(lengths[4:]) > 10 and len(lengths) == 8   # 4 task rows, 4 reading rows
-    assert learner.optimizer.param_groups[0]["lr"] == cfg.lr and camg_reader.RUNGS["save"]
+    assert learner.optimizer.param_groups[0]["lr"] == cfg.lr and camg_reader.RUNGS["save_line"]
 
 
 def test_warmstart_rows_imitate_the_reference_through_resets(tmp_path):

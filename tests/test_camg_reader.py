@@ -88,6 +88,47 @@ def test_save_writes_what_the_tasks_save(fresh):
     assert kinds == {"keyed", "memo", "lab"}
 
 
+def test_save_line_writes_the_named_things_one_line(fresh):
+    """The save_line rung (recipe 8): a Shop-shaped note of a line per thing, "- <thing> <attr> <value> ...",
+    whose values repeat across things; the save is the line of the thing the task names, whole; memos and
+    lab notes as the save rung's."""
+    _, tok = fresh
+    kinds, repeats = set(), 0
+    for prompt, reply in chat_items(tok, "save_line", seed=6, n=60):
+        action = re.fullmatch(r"<action>(.*)</action>", reply, re.S).group(1)
+        saved = re.findall(r"'(- [^']*)'", action)
+        assert action == camg_memory.write_action(saved)
+        note = prompt.rsplit("(shown once):", 1)[1].strip().removesuffix("assistant").strip()
+        if note.startswith("- "):
+            kinds.add("keyed")
+            lines = note.splitlines()
+            task = prompt.split("Instruction:", 1)[1].split("(note:")[0]
+            assert len(saved) == 1 and saved[0] in lines
+            named = [ln for ln in lines if re.search(rf" an? {re.escape(ln[2:].split(' ')[0])}", task)]
+            assert saved[0] in named
+            values = [w for ln in lines for w in ln.split(" ")[-1:]]
+            repeats += len(set(values)) < len(values)
+        else:
+            kinds.add("memo" if "Memo (shown once)" in prompt else "lab")
+    assert kinds == {"keyed", "memo", "lab"} and repeats >= 5
+
+
+def test_the_line_rungs_are_shops_note_form():
+    """A Shop relay task's note holds the goal category's line in save_line's form (Data.line_of), and the
+    reference policy carries exactly that line (the rung's words are random; the shape is the task's)."""
+    import shop
+    env = camg_worker.make_env("shop")
+    try:
+        task = next(t for t in env.tasks("train") if env.relay_fact(t))
+        goal, policy = task.data["goal"], env.reference_policy(task)
+        line = camg_reader.Data.line_of(goal["category"], list(goal["options"].items()))
+        assert line == shop.note_lines(goal["category"], goal["options"]) and line in task.data["note"].splitlines()
+        policy(task.data["note"])
+        assert policy.notes()[0] == line
+    finally:
+        env.close()
+
+
 @pytest.mark.parametrize("name, shown, saved", [("deepresearch", r"Memo \(shown once\): (.+)", "- memo: {0}"),
                                                 ("autoresearch", r"found the best (\w+): (.+)", "- best {0}: {1}")])
 def test_the_save_shapes_are_the_environments(name, shown, saved):
@@ -105,11 +146,13 @@ def test_the_save_shapes_are_the_environments(name, shown, saved):
     assert saved.format(*seen.groups()) in policy.notes()
 
 
-def test_reread_uses_what_the_file_says(fresh):
-    """After the reset's `cat`: the saved value the page asks for is clicked, or the memo's name searched."""
+@pytest.mark.parametrize("rung", ["reread", "reread_line"])
+def test_reread_uses_what_the_file_says(fresh, rung):
+    """After the reset's `cat`: the saved value the page asks for is clicked, or the memo's name searched;
+    the saved lines are a line per attribute (recipe 7's) or the thing's one line (recipe 8's)."""
     _, tok = fresh
     memos = 0
-    for prompt, reply in chat_items(tok, "reread", seed=3):
+    for prompt, reply in chat_items(tok, rung, seed=3):
         search = re.fullmatch(r"<action>search\[ (.*)\]</action>", reply)     # the value after a space
         if search:
             memos += 1
@@ -118,7 +161,8 @@ def test_reread_uses_what_the_file_says(fresh):
         value = re.fullmatch(r"<action>click\[ (.*)\]</action>", reply).group(1)
         attr = prompt.rsplit("selected: ", 1)[1].split("=none")[0].split()[-1]     # the first not chosen
         saved = prompt.split("$ cat .agent_memory/CONTINUATION.md\n", 1)[1].split("\n\n(exit 0)")[0]
-        assert any(ln.endswith(f" {attr} {value}") for ln in saved.splitlines())
+        mine = [ln for ln in saved.splitlines() if re.search(rf" {re.escape(attr)} {re.escape(value)}( |$)", ln)]
+        assert mine and (len(mine) == 1 if rung == "reread_line" else all(ln.endswith(f" {attr} {value}") for ln in mine))
         assert f" {value} " in f" {prompt.rsplit(chr(10) + attr + ':', 1)[1].splitlines()[0]} "
     assert 5 <= memos < 30
 
@@ -187,11 +231,11 @@ def test_an_untrained_model_is_at_chance(fresh):
 
 def test_a_short_build_runs_resumes_and_is_found_in_the_cache(tmp_path, monkeypatch):
     """The course through pretrain.py's loop: 6 curriculum steps, a 3-step cool-down, a 2-step repeats
-    stage, a 2-step keyed stage and a 2-step save stage, killed after step 4 and resumed from its step-3
+    stage, a 2-step keyed stage, a 2-step save stage and a 2-step line stage, killed after step 4 and resumed from its step-3
     checkpoint; the finished reader is found by its recipe in the cache."""
     monkeypatch.setenv("RIME_CACHE", str(tmp_path))
-    args = camg_reader.Args(steps=6, anneal_steps=3, repeat_steps=2, keyed_steps=2, save_steps=2, batch=4,
-                            eval_items=2, checkpoint_every=3)
+    args = camg_reader.Args(steps=6, anneal_steps=3, repeat_steps=2, keyed_steps=2, save_steps=2, line_steps=2,
+                            batch=4, eval_items=2, checkpoint_every=3)
     out = pretrain.cache_dir(args, camg_reader.COURSE)
     assert out.parent.name == "camg_reader"
     real_step, calls = pretrain.train_step, []
@@ -208,34 +252,35 @@ def test_a_short_build_runs_resumes_and_is_found_in_the_cache(tmp_path, monkeypa
     monkeypatch.setattr(pretrain, "train_step", real_step)
     assert pretrain.reader_dir(args, course=camg_reader.COURSE) == out       # resumes the build
     rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 16))
-    assert [r["phase"] for r in rows[6:]] == ["cool-down"] * 3 + ["repeats"] * 2 + ["keyed"] * 2 + ["save"] * 2
+    assert [r["step"] for r in rows] == list(range(1, 18))
+    assert [r["phase"] for r in rows[6:]] == (["cool-down"] * 3 + ["repeats"] * 2 + ["keyed"] * 2 + ["save"] * 2
+                                              + ["line"] * 2)
     assert json.loads((out / "recipe.json").read_text()) == pretrain.recipe(args, camg_reader.COURSE)
     assert set(json.loads((out / "ladder.json").read_text())) == set(camg_reader.RUNGS)
     # the default recipe is another key: RIME's reader and CAMG's never share a cache entry
     assert pretrain.recipe_key(args, camg_reader.COURSE) != pretrain.recipe_key(pretrain.Args())
 
 
-@pytest.mark.parametrize("version", [5, 6])
+@pytest.mark.parametrize("version", [5, 6, 7])
 def test_an_earlier_reader_is_a_base_for_the_later_stages(tmp_path, monkeypatch, version):
-    """--base: a finished recipe-5 reader (the curriculum, the cool-down and the repeats stage) or recipe-6
-    reader (and the keyed stage) is where this recipe goes on: the build runs only the stages it lacks
-    (keyed and save, or save) and ends with the weights of a whole build."""
+    """--base: a finished recipe-5 reader (the curriculum, the cool-down and the repeats stage), recipe-6
+    reader (and the keyed stage) or recipe-7 reader (and the save stage) is where this recipe goes on: the
+    build runs only the stages it lacks and ends with the weights of a whole build."""
     monkeypatch.setattr(pretrain, "ladder", lambda model, tok, num_items=0, seed=0, rungs=None, pool=0, course=None: {
         r: {"accuracy": 0.0, "chance": 0.0, "used": u, "items": 0} for r, u in camg_reader.RUNGS.items()})
     kw = dict(steps=4, anneal_steps=2, repeat_steps=2, batch=4, eval_items=2, checkpoint_every=50, threads=1)
     course = camg_reader.COURSE
-    pretrain.build(camg_reader.Args(keyed_steps=3, save_steps=2, **kw), tmp_path / "whole", course)
-    lacks = ("keyed", "save") if version == 5 else ("save",)
-    base = dict(keyed_steps=0 if version == 5 else 3, save_steps=0)
+    pretrain.build(camg_reader.Args(keyed_steps=3, save_steps=2, line_steps=2, **kw), tmp_path / "whole", course)
+    lacks = {5: ("keyed", "save", "line"), 6: ("save", "line"), 7: ("line",)}[version]
+    base = dict(keyed_steps=0 if version == 5 else 3, save_steps=0 if version < 7 else 2, line_steps=0)
     pretrain.build(camg_reader.Args(**base, **kw), tmp_path / "base", course)
     stored = json.loads((tmp_path / "base" / "recipe.json").read_text())
     (tmp_path / "base" / "recipe.json").write_text(json.dumps(
         {k: v for k, v in stored.items() if not k.startswith(lacks)} | {"version": version}))
-    args = camg_reader.Args(keyed_steps=3, save_steps=2, base=str(tmp_path / "base"), **kw)
+    args = camg_reader.Args(keyed_steps=3, save_steps=2, line_steps=2, base=str(tmp_path / "base"), **kw)
     pretrain.build(args, tmp_path / "cont", course)
     rows = [json.loads(r) for r in (tmp_path / "cont" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["phase"] for r in rows][-6:] == ["repeats"] + ["keyed"] * 3 + ["save"] * 2
+    assert [r["phase"] for r in rows][-8:] == ["repeats"] + ["keyed"] * 3 + ["save"] * 2 + ["line"] * 2
     from model import load
     a, b = load(tmp_path / "whole").state_dict(), load(tmp_path / "cont").state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)

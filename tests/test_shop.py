@@ -199,29 +199,33 @@ def test_relay_tasks_need_the_fact_carried_across_a_context_reset():
     check_relay_needs_the_fact_carried("shop")
 
 
-def test_relay_note_puts_each_value_right_after_its_keys():
-    """The shopping note is one line per option, "- <category> <option> <value>": the words the goal gives
-    (its category, then the option's name) sit right before the value, for every category of the shop."""
+def test_relay_note_gives_each_category_one_line():
+    """The shopping note is one line per category, "- <category> <option> <value> [<option> <value>]": the
+    goal's category starts the line to save, each value right after its option's name, every category of
+    the shop listed once (camg_reader's save_line and reread_line rungs are this shape)."""
     env = ShopEnv(seed=0, relay_per_shopper=2, tasks_per_shopper=0)
     try:
         for task in env.tasks("test")[:6]:
             note, goal = task.data["note"], task.data["goal"]
             head, *lines = note.split("\n")
             assert head == "Shopping note (shown once):"
-            assert all(f"- {goal['category']} {name} {value}" in lines for name, value in goal["options"].items())
+            mine = " ".join(f"{name} {value}" for name, value in goal["options"].items())
+            assert f"- {goal['category']} {mine}" in lines
             cats = {c: opts for c, (_, opts) in CATEGORIES.items()}
             listed = [next((c, line[len(c) + 3:]) for c in cats if line.startswith(f"- {c} ")) for line in lines]
-            assert {c for c, _ in listed} == set(CATEGORIES)
-            for c, rest in listed:                                  # "<option> <value>", a value the category offers
-                name, value = rest.split(" ")
-                assert value in cats[c][name]
+            assert sorted(c for c, _ in listed) == sorted(CATEGORIES)
+            for c, rest in listed:                                  # "<option> <value> ...", values the category offers
+                words = rest.split(" ")
+                pairs = dict(zip(words[::2], words[1::2]))
+                assert len(words) == 2 * len(cats[c]) and set(pairs) == set(cats[c])
+                assert all(value in cats[c][name] for name, value in pairs.items())
     finally:
         env.close()
 
 
 def test_relay_reference_reads_the_note_and_its_own_carried_lines():
     """The reference solves relay tasks from the note, and a fresh copy (after a context reset) that sees the
-    lines it carries (the note's own lines for its category) shops for the same options without the note."""
+    line it carries (the note's own line for its category) shops for the same options without the note."""
     env = ShopEnv(seed=0, relay_per_shopper=1, tasks_per_shopper=0)
     try:
         for task in env.tasks("test")[:5]:
@@ -229,10 +233,10 @@ def test_relay_reference_reads_the_note_and_its_own_carried_lines():
             assert run_episode(env, task, policy) == 1.0
             carried = policy.notes()
             cat, opts = task.data["goal"]["category"], task.data["goal"]["options"]
-            assert carried[:len(opts)] == [f"- {cat} {k} {v}" for k, v in opts.items()]
+            assert carried[0] == f"- {cat} " + " ".join(f"{k} {v}" for k, v in opts.items())   # the note's line
             fresh = env.reference_policy(task)
             action = fresh("$ cat .agent_memory/CONTINUATION.md\n" + "\n".join(carried) + "\n(exit 0)")
-            assert action != "click[note]" and fresh.notes()[:len(opts)] == carried[:len(opts)]
+            assert action != "click[note]" and fresh.notes()[0] == carried[0]
     finally:
         env.close()
 
