@@ -35,7 +35,7 @@ RIME's reader (pretrain.py, whose training loop, ladder and cache this file reus
 
 Every word is a random span of the BPE's alphanumeric tokens (a word-start token, then 0-2 pieces): no
 environment's names, options or answers are drawn (the templates use the environments' action words).
-The course: copying until it passes 0.8, the acting mix, a cool-down, then three stages that decay the lr
+The course: copying until it passes 0.8, the acting mix, a cool-down, then four stages that decay the lr
 again: the repeats stage (span items beside the chat rungs), the keyed stage (mostly carry and reread),
 where the two chat rungs rose most, the save stage (the save in the tasks' shapes; docs/camg.md), and the
 line stage (the same on Shop's note of a line per thing).

@@ -63,20 +63,29 @@ def test_carry_saves_the_named_things_lines_as_the_reference_agents_write_them(f
     assert 15 <= keyed < 40
 
 
-def test_save_writes_what_the_tasks_save(fresh):
-    """The save rung (recipe 7) in the tasks' own shapes: a Shop-shaped note's named lines; a memo's sentence
-    as DeepResearch's reference saves it (`- memo: <sentence>`); a lab note's tail after "found the best
-    <w>:" as AutoResearch's does (`- best <w>: <tail>`); written by camg_memory.write_action."""
+@pytest.mark.parametrize("rung", ["save", "save_line"])
+def test_save_writes_what_the_tasks_save(fresh, rung):
+    """The save rungs in the tasks' own shapes: a Shop-shaped note's lines of the thing the task names (save,
+    recipe 7's note: a line per attribute) or that thing's one line, whole (save_line, recipe 8's: a line per
+    thing, its values repeating across things); a memo's sentence as DeepResearch's reference saves it
+    (`- memo: <sentence>`); a lab note's tail after "found the best <w>:" as AutoResearch's does (`- best
+    <w>: <tail>`); written by camg_memory.write_action."""
     _, tok = fresh
-    kinds = set()
-    for prompt, reply in chat_items(tok, "save", seed=5, n=60):
+    kinds, repeats = set(), 0
+    for prompt, reply in chat_items(tok, rung, seed=5, n=60):
         action = re.fullmatch(r"<action>(.*)</action>", reply, re.S).group(1)
         saved = re.findall(r"'(- [^']*)'", action)
         assert action == camg_memory.write_action(saved)
         note = prompt.rsplit("(shown once):", 1)[1].strip().removesuffix("assistant").strip()
         if note.startswith("- "):
             kinds.add("keyed")
-            assert saved and all(line in note.splitlines() for line in saved)
+            lines = note.splitlines()
+            assert saved and all(line in lines for line in saved)
+            if rung == "save_line":
+                thing = re.search(r"Instruction: \S+ an? (.+?) that is ", prompt).group(1)
+                assert [ln for ln in lines if ln.startswith(f"- {thing} ")] == saved
+                last = [ln.rsplit(" ", 1)[1] for ln in lines]
+                repeats += len(set(last)) < len(last)
         elif "Memo (shown once)" in prompt:
             kinds.add("memo")
             assert saved == [f"- memo: {note}"]
@@ -85,32 +94,7 @@ def test_save_writes_what_the_tasks_save(fresh):
             head, tail = note.rsplit(" found the best ", 1)
             w, rest = tail.split(": ", 1)
             assert saved == [f"- best {w}: {rest}"]
-    assert kinds == {"keyed", "memo", "lab"}
-
-
-def test_save_line_writes_the_named_things_one_line(fresh):
-    """The save_line rung (recipe 8): a Shop-shaped note of a line per thing, "- <thing> <attr> <value> ...",
-    whose values repeat across things; the save is the line of the thing the task names, whole; memos and
-    lab notes as the save rung's."""
-    _, tok = fresh
-    kinds, repeats = set(), 0
-    for prompt, reply in chat_items(tok, "save_line", seed=6, n=60):
-        action = re.fullmatch(r"<action>(.*)</action>", reply, re.S).group(1)
-        saved = re.findall(r"'(- [^']*)'", action)
-        assert action == camg_memory.write_action(saved)
-        note = prompt.rsplit("(shown once):", 1)[1].strip().removesuffix("assistant").strip()
-        if note.startswith("- "):
-            kinds.add("keyed")
-            lines = note.splitlines()
-            task = prompt.split("Instruction:", 1)[1].split("(note:")[0]
-            assert len(saved) == 1 and saved[0] in lines
-            named = [ln for ln in lines if re.search(rf" an? {re.escape(ln[2:].split(' ')[0])}", task)]
-            assert saved[0] in named
-            values = [w for ln in lines for w in ln.split(" ")[-1:]]
-            repeats += len(set(values)) < len(values)
-        else:
-            kinds.add("memo" if "Memo (shown once)" in prompt else "lab")
-    assert kinds == {"keyed", "memo", "lab"} and repeats >= 5
+    assert kinds == {"keyed", "memo", "lab"} and (rung == "save" or repeats >= 5)
 
 
 def test_the_line_rungs_are_shops_note_form():
