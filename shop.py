@@ -54,7 +54,7 @@ one line per category in 0.95 after 300 steps; docs/camg.md, "Recipe 8".)
 
 Under a small context budget the note is gone after a CONTINUATION.md reset, so the task is solved
 only if the options are written down before the reset and read back after it. `relay_policy` is its
-reference (it carries the note's own lines); `relay_fact` tells camg_eval what to look for.
+reference (it carries the note's own line); `relay_fact` tells camg_eval what to look for.
 `extra_train_relay` adds that many relay tasks per training shopper (more notes to learn to carry),
 drawn from their own random stream, so the test split and every other task stay the same.
 
@@ -396,7 +396,7 @@ def note_lines(category: str, options: dict) -> str:
 def relay_policy(task: Task):
     """The reference for a relay task: read the note, then shop for those options. It reads the options
     (and the item page it was on: the shop's page survives a context reset) from any observation that
-    shows them (the note, or a CONTINUATION.md holding the note's own lines for the category, which
+    shows them (the note, or a CONTINUATION.md holding the note's own line for the category, which
     notes() gives), so a fresh copy after a context reset resumes from the carried file."""
     goal = parse_instruction(f"Instruction: {task.data['goal']['instruction']}")
     st = {"opts": None, "asked": False, "page": None, "tried": set(), "pages_seen": 0, "fallback": False}
