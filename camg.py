@@ -130,6 +130,9 @@ class Config:
     behav_imp_weight_cap: float = 0.0  # drop tokens whose pi_prox/pi_behav exceeds this (0 = off; 5.0 with eta >= 1 or a bf16 sampler)
     clip_ratio_c: float = 0.0       # dual-clip bound for negative advantages (0 = off; verl uses 3.0)
     mask_memory_actions: bool = False  # ablation: no gradient through actions that write or read memory files
+    whiten: str = "global"          # advantages: global (centred and scaled over all policy tokens) | env (centred
+                                    # per environment, scaled by the pooled std: an env every episode fails does
+                                    # not push its shared actions down; build_batch)
     micro_batch_tokens: int = 4096  # padded tokens per learner forward
     warmstart_steps: int = -1       # max imitation steps before RL; -1 = auto (300 for reader, 150 for small, 0 otherwise)
     warmstart_threshold: float = 0.9   # held-out format validity that ends (or skips) the warm start
@@ -160,6 +163,7 @@ class Config:
         check(self.eval_modes and not bad, f"--eval-memory: unknown {bad}; choose from {','.join(MEMORY_MODES)}")
         check("shuffle" not in self.eval_modes or self.eval_tasks > self.eval_stream_len,
               "--eval-memory shuffle needs 2 or more streams: make --eval-tasks larger than --eval-stream-len")
+        check(self.whiten in ("global", "env"), f"--whiten must be global or env, not {self.whiten!r}")
         check(self.family in ("relay", "standard", "both"), f"--family must be relay, standard or both, not {self.family!r}")
         for name in ("steps", "eta", "num_workers", "train_ranks", "eval_tasks", "eval_every", "warmstart_tasks",
                      "extra_train_relay"):
@@ -238,40 +242,52 @@ def cpu_threads(cfg: Config, num_procs: int) -> int:
 # credit: rows of the training batch, GAE with the critic
 
 
-def build_batch(samples: list[Sample], learner: Learner, gamma: float, lam: float, mask_memory: bool = False):
+def build_batch(samples: list[Sample], learner: Learner, gamma: float, lam: float, mask_memory: bool = False,
+                whiten: str = "global"):
     """This rank's training rows with advantages and value targets, or None without a policy token.
     Every row (context) of an episode gets the episode's score at its last policy token: memory and task
     actions share the task return. values: the critic's at the start of this update. mask_memory: loss
-    mask 0 on the tokens of actions that write or read memory files (Sample.memory_tokens)."""
+    mask 0 on the tokens of actions that write or read memory files (Sample.memory_tokens).
+    whiten: "global" centres the GAE advantages on their mean over all policy tokens and divides by their
+    std; "env" centres each environment's tokens on that environment's own mean (a per-env baseline on
+    top of the critic) and divides by the pooled within-env std. With "global", an env that fails every
+    episode while another succeeds has every token pushed down, its protocol actions (the save, the `cat`)
+    among them, which the envs share."""
     rows = []
     for s in samples:
         flags = s.memory_tokens if mask_memory and s.memory_tokens else [None] * len(s.rows)
         for (t, m, lp, temp), f in zip(s.rows, flags):
             m = [a * (1 - b) for a, b in zip(m, f)] if f is not None else m
             if any(m):
-                rows.append((t, m, lp, temp, s.version, s.score))
+                rows.append((t, m, lp, temp, s.version, s.score, ENV_NAMES.index(s.env) if whiten == "env" else 0))
     if not rows:
         return None
-    toks, masks, lps, temps, vers, scores = map(list, zip(*rows))
+    toks, masks, lps, temps, vers, scores, groups = map(list, zip(*rows))
     # each row is scored at the temperature it was sampled at (pi_prox / pi_behav = 1 on fresh rows)
     batch, d = make_batch(toks, masks, lps, versions=vers, temperatures=temps), learner.d
     if d.world_size > 1:            # every train rank built the same rows; each trains on its share
-        batch, scores = batch.shard(d.rank, d.world_size), scores[d.rank::d.world_size]
+        batch = batch.shard(d.rank, d.world_size)
+        scores, groups = scores[d.rank::d.world_size], groups[d.rank::d.world_size]
     mask = batch.loss_mask                                                 # [B, T]
     last = (mask * torch.arange(mask.shape[1])).argmax(dim=1)               # [B] the last policy token
     rewards = torch.zeros_like(mask)
     rewards[torch.arange(len(batch)), last] = torch.tensor(scores, dtype=rewards.dtype)
     values = learner.values_of(batch).cpu()                               # [B, T], aligned with tokens
     adv, ret = gae(rewards, values, mask, gamma=gamma, lam=lam)
-    # whiten over the policy tokens of *all* train ranks: sums are all-reduced, one scale everywhere
-    sums = torch.tensor([mask.sum(), (adv * mask).sum(), (adv * adv * mask).sum()], dtype=torch.float64)
+    # per group (one, or one per env): token count, sum, sum of squares, all-reduced over the train ranks
+    # so every rank centres and scales alike
+    gid = torch.tensor(groups)
+    sums = torch.tensor([[mask[gid == g].sum(), (adv * mask)[gid == g].sum(), (adv * adv * mask)[gid == g].sum()]
+                         for g in range(len(ENV_NAMES))], dtype=torch.float64)          # [G, 3]
     if d.world_size > 1:
         sums = sums.to(d.device)
         torch.distributed.all_reduce(sums)
-    n, s1, s2 = sums.cpu().tolist()
-    mean = s1 / max(n, 1.0)
-    std = max(s2 / max(n, 1.0) - mean * mean, 0.0) ** 0.5
-    return replace(batch, advantages=(adv - mean) * mask / (std + 1e-8), returns=ret, old_values=values)
+    n, s1, s2 = sums.cpu().T
+    total = n.sum().clamp(min=1.0)
+    mean = s1 / n.clamp(min=1.0)                                           # [G]
+    std = max((s2.sum() / total - (n / total * mean * mean).sum()).item(), 0.0) ** 0.5   # pooled within groups
+    centre = mean.to(adv.dtype)[gid][:, None]                              # [B, 1]: each row's group mean
+    return replace(batch, advantages=(adv - centre) * mask / (std + 1e-8), returns=ret, old_values=values)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -633,7 +649,8 @@ def train(run: Run, num_spawn: int, remote_workers: bool) -> None:
                     time.sleep(0.05)
             for s in samples:
                 log(s, "train")
-            version, batch = learner.version, build_batch(samples, learner, cfg.gamma, cfg.lam, cfg.mask_memory_actions)
+            version, batch = learner.version, build_batch(samples, learner, cfg.gamma, cfg.lam, cfg.mask_memory_actions,
+                                                                     cfg.whiten)
             stats = learner.update(batch, cfg.num_minibatches) if batch is not None else {}
             run.step += 1
             if d.is_main and remote:

@@ -369,6 +369,31 @@ def test_every_segment_gets_the_return_at_its_last_policy_token():
     assert batch.versions.tolist() == [0, 0, 0] and batch.old_values.abs().sum() == 0
 
 
+def test_whiten_per_env_centres_each_env_on_its_own_mean():
+    """--whiten env: each env's policy tokens have mean advantage 0 (an env every episode fails is not pushed
+    down as a whole), scaled by the pooled within-env std; global centres over all tokens, where the failing
+    env's tokens all go negative."""
+    model, _ = camg.build_model("tiny", "cpu", 0)
+    learner = Learner(model, value_head=True, gradient_checkpointing=False)   # V = 0: advantage = return
+    row = lambda n: ([5] + [6] * n, [0] + [1] * n, [0.0] * (n + 1), 1.0)
+    samples = [camg.Sample("autoresearch", "a", 0, 0, 1.0, 1.0, "done", rows=[row(3)]),
+               camg.Sample("autoresearch", "b", 0, 0, 0.5, 0.0, "done", rows=[row(2)]),
+               camg.Sample("shop", "c", 0, 0, 0.0, 0.0, "done", rows=[row(4)]),
+               camg.Sample("shop", "d", 0, 0, 0.0, 0.0, "done", rows=[row(1)])]
+    per_env = camg.build_batch(samples, learner, 1.0, 1.0, whiten="env")
+    plain = camg.build_batch(samples, learner, 1.0, 1.0)
+    assert torch.equal(plain.advantages, camg.build_batch(samples, learner, 1.0, 1.0, whiten="global").advantages)
+    on = per_env.loss_mask.bool()
+    ar, shop = on[:2], on[2:]
+    assert abs(float(per_env.advantages[:2][ar].mean())) < 1e-6
+    assert float(per_env.advantages[2:][shop].abs().max()) < 1e-6, "a batch's all-failing env gets no push"
+    assert abs(float((per_env.advantages[on] ** 2).mean()) - 1) < 1e-4, "scaled by the pooled std"
+    assert float(plain.advantages[2:][shop].max()) < 0, "global: the failing env's tokens are all pushed down"
+    assert torch.equal(per_env.returns, plain.returns)
+    with pytest.raises(cli.ConfigError, match="--whiten must be global or env"):
+        camg.Config(whiten="task")
+
+
 def test_memory_modes_and_evaluation_ablations(tmp_path, actions_always):
     envs_ = [FakeEnv("shop") for _ in range(3)]
     for i, e in enumerate(envs_):
