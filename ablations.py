@@ -239,11 +239,13 @@ def camg_ablations(args: list) -> None:
     average and direction (each labelled by its source). Extra flags after `--` go to every run.
     --setting stream (the paper's: memory kept across a stream's tasks, both task families) or relay
     (camg.py's default: a fact crosses a reset inside the episode; CAMG_RELAY_ABLATIONS says which rows).
-        python bench.py camg-ablations [--seeds 3] [--setting stream|relay] [--only "full,..."] [--table-only]
-            [--results results/camg_ablations, or results/camg_ablations_relay]"""
+        python bench.py camg-ablations [--seeds 3] [--setting stream|relay] [--only "full,..."] [--jobs 2]
+            [--table-only] [--results results/camg_ablations, or results/camg_ablations_relay]
+    `--jobs N` runs N camg.py runs at once (each a learner and a rollout worker, one torch thread each at
+    the laptop models: two runs share 2 cores)."""
     prog = "bench.py camg-ablations"
     own, extra = split_extra(args)
-    a = flags(own, prog, seeds=3, setting=("stream", "relay"), results="", only="", table_only=False)
+    a = flags(own, prog, seeds=3, setting=("stream", "relay"), results="", only="", jobs=1, table_only=False)
     base, variants = CAMG_SETTINGS[a.setting]
     chosen = choose(variants, a.only, a.seeds, prog)
     runs = {}
@@ -252,7 +254,7 @@ def camg_ablations(args: list) -> None:
         runs.setdefault(v[1], fl)
     root = Path(a.results or "results/camg_ablations" + ("_relay" if a.setting == "relay" else ""))
     summaries, failures = run_all("camg", [(run, base + fl, s) for run, fl in runs.items() for s in range(a.seeds)],
-                                  root, extra, prog, start=not a.table_only)
+                                  root, extra, prog, jobs=a.jobs, start=not a.table_only)
     figures = {name: {s: camg_figures(summaries[(run, s)], mode) for s in range(a.seeds) if (run, s) in summaries}
                for name, run, _, mode, _, _ in chosen}
     full = {s: camg_figures(summaries[("full", s)], "full")[0] for s in range(a.seeds) if ("full", s) in summaries}

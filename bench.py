@@ -6,7 +6,7 @@
     OPENAI_API_KEY=... python bench.py --api https://host/v1 --api-model NAME --streams codebase19
     python bench.py --policy scripted --stream codebase --swebench rows.jsonl --swebench-repos checkouts/
     python bench.py ablations [--seeds 3]                  # RIME's ablation table (trains 3 seeds per variant)
-    python bench.py camg-ablations [--seeds 3] [--setting relay]   # CAMG's memory ablations (ablations.py has both)
+    python bench.py camg-ablations [--seeds 3] [--setting relay] [--jobs 2]   # CAMG's memory ablations (ablations.py has both)
     python bench.py engine | sandbox | envs | ppo | camg [args]   # = python speed.py ... (speed benchmarks)
 
 What one (policy, stream) cell measures:

@@ -580,7 +580,7 @@ def test_camg_ablations_in_the_relay_setting(tmp_path, monkeypatch, capsys):
     calls, argvs = tmp_path / "calls.txt", tmp_path / "argv.txt"
     monkeypatch.setenv("FAKE_CAMG_CALLS", str(calls))
     monkeypatch.setenv("FAKE_CAMG_ARGV", str(argvs))
-    bench.main(["camg-ablations", "--setting", "relay", "--seeds", "2", "--results", str(tmp_path / "relay")])
+    bench.main(["camg-ablations", "--setting", "relay", "--seeds", "2", "--jobs", "2", "--results", str(tmp_path / "relay")])
     assert sorted(calls.read_text().splitlines()) == ["full 0 full,wiped", "full 1 full,wiped", "mask 0 full", "mask 1 full"]
     assert not any(f in line for line in argvs.read_text().splitlines() for f in ("--family", "--train-memory",
                                                                                    "--eval-stream-len"))
