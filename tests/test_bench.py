@@ -491,10 +491,11 @@ from pathlib import Path
 p = argparse.ArgumentParser()
 p.add_argument("--seed", type=int)
 p.add_argument("--run-dir")
-p.add_argument("--eval-memory", default="full")
-p.add_argument("--train-memory", default="full")
+p.add_argument("--eval-memory", default="")              # camg.py's: "" = the training's mode
+p.add_argument("--train-memory", default="blank")
 p.add_argument("--mask-memory-actions", action="store_true")
 a, _ = p.parse_known_args()
+a.eval_memory = a.eval_memory or a.train_memory
 variant = "mask" if a.mask_memory_actions else a.train_memory
 with open(os.environ["FAKE_CAMG_CALLS"], "a") as f:
     f.write(f"{variant} {a.seed} {a.eval_memory}\\n")
@@ -504,7 +505,7 @@ if os.environ.get("FAKE_CAMG_ARGV"):
 if os.environ.get("FAKE_CAMG_FAIL") == f"{variant}:{a.seed}":
     print("progress...\\nboom: the learner ran out of memory")
     sys.exit(1)
-after = {"full": 0.5, "continuation": 0.4, "mask": 0.2}[variant] + 0.01 * a.seed
+after = {"full": 0.5, "blank": 0.5, "continuation": 0.4, "mask": 0.2}[variant] + 0.01 * a.seed
 effect = {"success_before": 0.1, "success_after": after, "delta": after - 0.1, "ci95": [0.0, 0.6], "tasks": 16}
 summary = {"rl_effect": effect, "per_env": {"shop": effect},
            "after_by_memory": {m: {"success": after - {"blank": 0.15, "wiped": 0.3}.get(m, 0.0), "per_env": {}}
@@ -540,7 +541,7 @@ def test_camg_ablations_table_resumes_and_reports_a_failed_run(tmp_path, monkeyp
                                 "(boom: the learner ran out of memory); log: ")
     assert errors[1].startswith("bench.py camg-ablations: error: 1 run(s) failed")
     made = calls.read_text().splitlines()
-    assert sorted(made) == sorted([f"full {s} full,blank,wiped" for s in range(3)] + [f"continuation {s} full" for s in range(3)]
+    assert sorted(made) == sorted([f"full {s} full,blank,wiped" for s in range(3)] + [f"continuation {s} continuation" for s in range(3)]
                                   + [f"mask {s} full" for s in range(3)]), "3 seeds of 3 runs; blank trains nothing"
     rows = {l.split("|")[1].strip(): l for l in captured.out.splitlines() if l.startswith("| ")}
     assert rows["full"].startswith("| full | 3 | 51.00 ± 1.00 | +41.00 ± 1.00 | - | 54.4 | released figures |")
@@ -581,7 +582,8 @@ def test_camg_ablations_in_the_relay_setting(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FAKE_CAMG_CALLS", str(calls))
     monkeypatch.setenv("FAKE_CAMG_ARGV", str(argvs))
     bench.main(["camg-ablations", "--setting", "relay", "--seeds", "2", "--jobs", "2", "--results", str(tmp_path / "relay")])
-    assert sorted(calls.read_text().splitlines()) == ["full 0 full,wiped", "full 1 full,wiped", "mask 0 full", "mask 1 full"]
+    # every run evaluated in the training's mode (blank), the full runs also with the file wiped
+    assert sorted(calls.read_text().splitlines()) == ["blank 0 blank,wiped", "blank 1 blank,wiped", "mask 0 blank", "mask 1 blank"]
     assert not any(f in line for line in argvs.read_text().splitlines() for f in ("--family", "--train-memory",
                                                                                    "--eval-stream-len"))
     out = capsys.readouterr().out
