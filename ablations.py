@@ -211,11 +211,11 @@ CAMG_ABLATIONS = [
 # needs cross a context reset inside its episode. There "blank saved memory at evaluation" is the full run
 # itself (nothing is saved between tasks) and "continuation-only training" trains what full trains (the
 # continuation file is the one memory an episode writes), so their rows are left out and the table says so.
-# Every run there is evaluated in the training's memory mode, blank (camg.py's default; the full runs also
-# with the file wiped): until 2026-12-06 the full runs evaluated `full`, whose first turn has one sentence
-# more than the one the policy trained on and the no-memory-gradient runs saw.
+# With one task per evaluation stream, the full runs' `full` evaluation is the `blank` one the other runs
+# make (camg.py's default, the training's mode): every mode shows the first turn the policy trained on, and
+# each task starts with an empty folder either way (camg_eval.evaluate).
 CAMG_RELAY_ABLATIONS = [
-    ("full", "full", ["--eval-memory", "blank,wiped"], "full", "CAMG-RL-4B", "the reference"),
+    ("full", "full", ["--eval-memory", "full,wiped"], "full", "CAMG-RL-4B", "the reference"),
     ("CONTINUATION.md wiped at each reset", "full", None, "wiped",
      None, "below full where a success needs the file (no published row)"),
     ("no gradients through memory actions", "no_memory_gradients", ["--mask-memory-actions"], "full",

@@ -39,7 +39,8 @@ How it works (as in AReaL's asynchronous PPO):
   weight's variance makes the gradient worthless, and a down-weighting curve would be a bias of its own.
 - Credit: memory actions (notes, CONTINUATION.md) and task actions share the task return (no memory
   reward). Every row of an episode (each context closed by a reset, then the last) gets the episode's
-  score at its last policy token; GAE with the critic (a value head) runs over its policy tokens.
+  score at its last policy token; GAE with the critic (a value head) runs over its policy tokens, and the
+  advantages are whitened over the batch's policy tokens (--whiten env: centred per environment).
   --mask-memory-actions (an ablation) puts loss mask 0 on the tokens of actions that write or read memory
   files. An episode whose environment raised on an action ends there with score 0 and is trained on like
   any other (its reason logged as env_error): a policy must not turn a losing episode into an unpenalised
@@ -649,8 +650,8 @@ def train(run: Run, num_spawn: int, remote_workers: bool) -> None:
                     time.sleep(0.05)
             for s in samples:
                 log(s, "train")
-            version, batch = learner.version, build_batch(samples, learner, cfg.gamma, cfg.lam, cfg.mask_memory_actions,
-                                                                     cfg.whiten)
+            batch = build_batch(samples, learner, cfg.gamma, cfg.lam, cfg.mask_memory_actions, cfg.whiten)
+            version = learner.version
             stats = learner.update(batch, cfg.num_minibatches) if batch is not None else {}
             run.step += 1
             if d.is_main and remote:

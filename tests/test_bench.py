@@ -582,8 +582,8 @@ def test_camg_ablations_in_the_relay_setting(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FAKE_CAMG_CALLS", str(calls))
     monkeypatch.setenv("FAKE_CAMG_ARGV", str(argvs))
     bench.main(["camg-ablations", "--setting", "relay", "--seeds", "2", "--jobs", "2", "--results", str(tmp_path / "relay")])
-    # every run evaluated in the training's mode (blank), the full runs also with the file wiped
-    assert sorted(calls.read_text().splitlines()) == ["blank 0 blank,wiped", "blank 1 blank,wiped", "mask 0 blank", "mask 1 blank"]
+    # the full runs (trained blank, camg.py's default) evaluated full and wiped, the others in the training's mode
+    assert sorted(calls.read_text().splitlines()) == ["blank 0 full,wiped", "blank 1 full,wiped", "mask 0 blank", "mask 1 blank"]
     assert not any(f in line for line in argvs.read_text().splitlines() for f in ("--family", "--train-memory",
                                                                                    "--eval-stream-len"))
     out = capsys.readouterr().out
