@@ -44,8 +44,8 @@ unless CONTINUATION.md carries it. No fixed recipe solves more than about one ta
 the 22 held-out ones at best): the leaking column differs from task to task, and the validation
 split cannot show which it is (tests/test_autoresearch.py checks a grid of fixed recipes). An agent could still find the column by
 analysing the training data (it correlates with y far more than any real feature): a data scientist's
-check, not a hole in the grader. `relay_policy`. `extra_train_relay` adds that many relay tasks per
-training lab. `relay_fact` (camg_eval's relay stages): the fact is the leaking column, as the recipe's
+check, not a hole in the grader. `relay_policy`. `extra_train_relay` / `extra_test_relay` add that many relay tasks per
+training / test lab (after its own, so every other task stays as it was). `relay_fact` (camg_eval's relay stages): the fact is the leaking column, as the recipe's
 `DROP=[c]` or the note's `column xc`.
 
 Simplified on purpose: one model family and one metric (accuracy), small data (1,500 training
@@ -190,11 +190,12 @@ class AutoResearchEnv(ShellTaskEnv):
     OUT_OF_ACTIONS = "nothing evaluated"
     def __init__(self, seed: int = 0, num_train_groups: int = 16, num_test_groups: int = 11,
                  tasks_per_group: int = 12, max_steps: int = 20, run_timeout: float = 20.0,
-                 relay_per_group: int = 0, extra_train_relay: int = 0):
+                 relay_per_group: int = 0, extra_train_relay: int = 0, extra_test_relay: int = 0):
         assert tasks_per_group % 3 == 0, "tasks_per_group must be a multiple of 3 (one third per difficulty)"
         self.config = dict(seed=seed, num_train_groups=num_train_groups, num_test_groups=num_test_groups,
                            tasks_per_group=tasks_per_group, max_steps=max_steps, run_timeout=run_timeout,
-                           relay_per_group=relay_per_group, extra_train_relay=extra_train_relay)
+                           relay_per_group=relay_per_group, extra_train_relay=extra_train_relay,
+                           extra_test_relay=extra_test_relay)
         self.seed, self.max_steps, self.run_timeout = seed, max_steps, run_timeout
         self._tasks = {"train": [], "test": []}
         for g in range(num_train_groups + num_test_groups):
@@ -204,7 +205,7 @@ class AutoResearchEnv(ShellTaskEnv):
                 self._tasks[split].append(Task(
                     id=f"autoresearch/lab{g:02d}/t{k:02d}", env="autoresearch", difficulty=difficulty,
                     group=f"lab{g:02d}", split=split, data={"seed": int(seed * 100_003 + g * 1_000 + k)}))
-            extra = extra_train_relay if split == "train" else 0   # seeds 500 + k: the other tasks stay the same
+            extra = extra_train_relay if split == "train" else extra_test_relay   # seeds 500 + k: the rest stay
             for k in range(relay_per_group + extra):   # the relay family: the recipe is in a lab note shown once
                 self._tasks[split].append(Task(
                     id=f"autoresearch/lab{g:02d}/relay{k:02d}", env="autoresearch", difficulty=3,

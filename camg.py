@@ -143,7 +143,8 @@ class Config:
     warmstart_reading: float = -1   # share of each warm-start batch that rehearses camg_reader.py's rungs
                                     # (added to the rows above); -1 = auto (0.5 for reader, 0 otherwise)
     warmstart_tasks: int = 24       # train tasks per env whose reference trajectories are imitated
-    eval_tasks: int = 16            # test tasks per environment (the paper: 128); 0 = no evaluation
+    eval_tasks: int = 16            # test tasks per environment (the paper: 128); 0 = no evaluation; beyond a
+                                    # relay split (44 / 33 / 22) its test groups get more relay tasks (camg_worker)
     eval_stream_len: int = 1        # tasks per evaluation stream (memory carries along a stream)
     eval_memory: str = ""           # comma list of memory modes to evaluate: full,blank,shuffle,continuation,wiped;
                                     # "" = the training mode (--train-memory): the first turn the policy trained on

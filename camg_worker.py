@@ -34,19 +34,28 @@ RELAY = {"shop": {"relay_per_shopper": 4}, "coding": {"relay": True}, "deepresea
 STANDARD_OFF = {"shop": {"tasks_per_shopper": 0}, "coding": {"standard": False},
                 "deepresearch": {"tasks_per_region": 0}, "autoresearch": {"tasks_per_group": 0}}
 
-def make_env(name: str, family: str = "relay", extra_train_relay: int = 0):
+def make_env(name: str, family: str = "relay", extra_train_relay: int = 0, test_tasks: int = 0):
     """A CAMG environment as this trainer uses it, with the tasks of `family` (relay / standard / both).
     The coding env keeps `.agent_memory/` across tasks here, as the other three do by default (what a
     task starts with is still the worker's memory mode). extra_train_relay: more relay tasks per
-    training group (not coding's, whose relay tasks are one per native bug); the test tasks stay."""
+    training group (not coding's, whose relay tasks are one per native bug); the test tasks stay.
+    test_tasks: the held-out tasks an evaluation takes (--eval-tasks). Where the test split holds fewer,
+    each test group gets as many more relay tasks as that takes, after its own (so an evaluation of
+    fewer tasks takes the same ones as before, and the training tasks stay)."""
     kw = {**(RELAY[name] if family != "standard" else {}), **(STANDARD_OFF[name] if family == "relay" else {})}
     if extra_train_relay and family != "standard" and name != "coding":
         kw["extra_train_relay"] = extra_train_relay
-    return envs.make(name, keep_memory=True, **kw) if name == "coding" else envs.make(name, **kw)
+    make = (lambda **k: envs.make(name, keep_memory=True, **k)) if name == "coding" else \
+        (lambda **k: envs.make(name, **k))
+    env = make(**kw)
+    short, groups = test_tasks - len(env.tasks("test")), len(by_group(env.tasks("test")))
+    if short > 0 and family != "standard" and name != "coding" and groups:
+        env = make(**kw, extra_test_relay=-(-short // groups))
+    return env
 
 
 def env_maker(cfg):
-    return lambda name: make_env(name, cfg.family, cfg.extra_train_relay)
+    return lambda name: make_env(name, cfg.family, cfg.extra_train_relay, cfg.eval_tasks)
 
 
 # the "small" model's BPE, trained once on domain_text and pinned: an environment's wording may change after

@@ -32,8 +32,9 @@ first (`shell: tail -n 40 ...`) and skips the hops it already knows.
 Relay family (`relay_per_region` > 0, difficulty 3; camg.py's laptop preset): a 4-hop question about
 "the person in the memo"; `memo[]` names them, once per episode. After a context reset the start
 person (and the hops found) are gone unless written to CONTINUATION.md and read back: the task is
-solved only through the file. `relay_policy` is its reference. `extra_train_relay` adds that many
-relay tasks per training region, drawn from their own random stream (the other tasks stay the same).
+solved only through the file. `relay_policy` is its reference. `extra_train_relay` / `extra_test_relay`
+add that many relay tasks per training / test region, each from its own random stream (the other tasks
+stay the same).
 `relay_fact` (camg_eval's relay stages): the fact is the memo's person, or any entity the chain
 reaches from them (a hop found before the reset carries the same information forward).
 
@@ -209,22 +210,23 @@ class DeepResearchEnv(ShellTaskEnv):
     def __init__(self, seed: int = 0, num_countries: int = 30, people_per_country: int = 25,
                  num_test_regions: int = 11, tasks_per_region: int = 12, max_steps: int = 20,
                  partial_credit: float = 0.5, shell_timeout: float = 10.0, relay_per_region: int = 0,
-                 extra_train_relay: int = 0):
+                 extra_train_relay: int = 0, extra_test_relay: int = 0):
         assert num_test_regions < num_countries, "need at least one training region"
         assert tasks_per_region % 3 == 0, "tasks_per_region must be a multiple of 3 (one third per hop count)"
         self.config = dict(seed=seed, num_countries=num_countries, people_per_country=people_per_country,
                            num_test_regions=num_test_regions, tasks_per_region=tasks_per_region,
                            max_steps=max_steps, partial_credit=partial_credit, shell_timeout=shell_timeout,
-                           relay_per_region=relay_per_region, extra_train_relay=extra_train_relay)
+                           relay_per_region=relay_per_region, extra_train_relay=extra_train_relay,
+                           extra_test_relay=extra_test_relay)
         self.seed, self.max_steps, self.partial_credit, self.shell_timeout = seed, max_steps, partial_credit, shell_timeout
         self.ents, countries, self.doc_ids, self.docs, self.bm25 = build_world(seed, num_countries, people_per_country)
         self.doc_index = {d: i for i, d in enumerate(self.doc_ids)}
         self._tasks = self._make_tasks(countries, num_test_regions, tasks_per_region, relay_per_region,
-                                       extra_train_relay)
+                                       extra_train_relay, extra_test_relay)
         self.workspace = Workspace(shell_timeout, obs_chars=2000)
         self.task, self.info, self.done = None, {}, True
 
-    def _make_tasks(self, countries, num_test, per_region, relay_per_region, extra_train_relay):
+    def _make_tasks(self, countries, num_test, per_region, relay_per_region, extra_train_relay, extra_test_relay):
         rng = np.random.default_rng([self.seed, 1])
         tasks, seen_by_region = {"train": [], "test": []}, {}
         for r, country in enumerate(countries):
@@ -244,11 +246,13 @@ class DeepResearchEnv(ShellTaskEnv):
                 k += 1
             tasks[split] += self._relay_tasks(rng, people, r, split, seen, range(relay_per_region))
             seen_by_region[r] = (people, seen)
-        extra = np.random.default_rng([self.seed, 2])   # its own stream: every task above stays as it was
-        for r, (people, seen) in seen_by_region.items():
-            if r < len(countries) - num_test:
-                ks = range(relay_per_region, relay_per_region + extra_train_relay)
-                tasks["train"] += self._relay_tasks(extra, people, r, "train", seen, ks)
+        # more relay tasks, each split from its own stream: every task above stays as it was
+        for split, n, key in (("train", extra_train_relay, 2), ("test", extra_test_relay, 3)):
+            extra = np.random.default_rng([self.seed, key])
+            for r, (people, seen) in seen_by_region.items():
+                if (r < len(countries) - num_test) == (split == "train"):
+                    tasks[split] += self._relay_tasks(extra, people, r, split, seen, range(relay_per_region,
+                                                                                          relay_per_region + n))
         return tasks
 
     def _relay_tasks(self, rng, people, r, split, seen, ks) -> list:

@@ -56,7 +56,8 @@ Under a small context budget the note is gone after a CONTINUATION.md reset, so 
 only if the options are written down before the reset and read back after it. `relay_policy` is its
 reference (it carries the note's own line); `relay_fact` tells camg_eval what to look for.
 `extra_train_relay` adds that many relay tasks per training shopper (more notes to learn to carry),
-drawn from their own random stream, so the test split and every other task stay the same.
+`extra_test_relay` per test shopper (a larger held-out sample), each split's from its own random
+stream, so every other task stays the same.
 
 Simplified on purpose: no free-text descriptions, reviews or images; one catalogue per seed shared
 by both splits (the shoppers are split, not the products); no human instructions.
@@ -209,23 +210,24 @@ class ShopEnv(ShellTaskEnv):
     def __init__(self, seed: int = 0, num_products: int = 1200, num_train_shoppers: int = 24,
                  num_test_shoppers: int = 11, tasks_per_shopper: int = 12, max_steps: int = 20,
                  page_size: int = 5, shell_timeout: float = 10.0, relay_per_shopper: int = 0,
-                 extra_train_relay: int = 0):
+                 extra_train_relay: int = 0, extra_test_relay: int = 0):
         assert num_products >= len(CATEGORIES) * 20, \
             f"num_products={num_products} is too small: use at least 20 per category ({len(CATEGORIES) * 20})"
         assert tasks_per_shopper % 3 == 0, "tasks_per_shopper must be a multiple of 3 (one third per difficulty)"
         self.config = dict(seed=seed, num_products=num_products, num_train_shoppers=num_train_shoppers,
                            num_test_shoppers=num_test_shoppers, tasks_per_shopper=tasks_per_shopper,
                            max_steps=max_steps, page_size=page_size, shell_timeout=shell_timeout,
-                           relay_per_shopper=relay_per_shopper, extra_train_relay=extra_train_relay)
+                           relay_per_shopper=relay_per_shopper, extra_train_relay=extra_train_relay,
+                           extra_test_relay=extra_test_relay)
         self.seed, self.max_steps, self.page_size, self.shell_timeout = seed, max_steps, page_size, shell_timeout
         self.products, self.bm25 = build_catalogue(seed, num_products)
         self.by_id = {p.id: p for p in self.products}
         self._tasks = self._make_tasks(num_train_shoppers, num_test_shoppers, tasks_per_shopper, relay_per_shopper,
-                                       extra_train_relay)
+                                       extra_train_relay, extra_test_relay)
         self.workspace = Workspace(shell_timeout, obs_chars=1500)
         self.task, self.info, self.done = None, {}, True
 
-    def _make_tasks(self, num_train, num_test, per_shopper, relay_per_shopper, extra_train_relay):
+    def _make_tasks(self, num_train, num_test, per_shopper, relay_per_shopper, extra_train_relay, extra_test_relay):
         rng = np.random.default_rng([self.seed, 1])
         tasks, shoppers = {"train": [], "test": []}, []
         for s in range(num_train + num_test):
@@ -240,10 +242,13 @@ class ShopEnv(ShellTaskEnv):
                                          group=shopper["id"], split=split, data={"goal": goal, "shopper": shopper}))
             for k in range(relay_per_shopper):     # the relay family: the options are on a note shown once
                 tasks[split].append(self._relay_task(rng, shopper, k, split))
-        extra = np.random.default_rng([self.seed, 2])   # its own stream: every task above stays as it was
-        for shopper in shoppers[:num_train]:
-            for k in range(relay_per_shopper, relay_per_shopper + extra_train_relay):
-                tasks["train"].append(self._relay_task(extra, shopper, k, "train"))
+        # more relay tasks, each split from its own stream: every task above stays as it was
+        for split, group, n, key in (("train", shoppers[:num_train], extra_train_relay, 2),
+                                     ("test", shoppers[num_train:], extra_test_relay, 3)):
+            extra = np.random.default_rng([self.seed, key])
+            for shopper in group:
+                for k in range(relay_per_shopper, relay_per_shopper + n):
+                    tasks[split].append(self._relay_task(extra, shopper, k, split))
         return tasks
 
     def _relay_task(self, rng, shopper, k, split) -> Task:

@@ -689,6 +689,26 @@ def test_extra_train_relay_adds_training_tasks_and_keeps_the_rest(name, groups):
     assert [t.id for t in made.tasks("train")] == [t.id for t in more.tasks("train")]
 
 
+
+@pytest.mark.parametrize("name, pool", [("shop", 44), ("deepresearch", 33), ("autoresearch", 22)])
+def test_a_larger_evaluation_adds_test_relay_tasks_and_keeps_the_rest(name, pool):
+    """--eval-tasks beyond a relay family's test split (44 / 33 / 22): each test group gets more relay
+    tasks after its own (the new ones sampled: the reference solves them); the training tasks and the
+    earlier test tasks are as they were, so a smaller evaluation takes the same tasks as before."""
+    base, more = camg_worker.make_env(name), camg_worker.env_maker(camg.Config(eval_tasks=64))(name)
+    assert len(base.tasks("test")) == pool and len(more.tasks("test")) >= 64
+    assert [(t.id, t.data) for t in more.tasks("train")] == [(t.id, t.data) for t in base.tasks("train")]
+    old = {t.id: t.data for t in base.tasks("test")}
+    assert all(old[t.id] == t.data for t in more.tasks("test") if t.id in old)
+    new = [t for t in more.tasks("test") if t.id not in old]
+    assert len(new) == len(more.tasks("test")) - pool and all(t.difficulty == 3 and t.split == "test" for t in new)
+    ids = lambda env, n: [t.id for s in camg_eval.eval_streams(env, n, 1) for t in s]
+    assert ids(more, 16) == ids(base, 16) and len(set(ids(more, 64))) == 64
+    carried, _ = camg_worker.reference_episodes(more, new[::len(new) // 2][:2], camg_worker.small_tokenizer(),
+                                                camg.Config())
+    assert len(carried) == 2 and all(ep.info.get("success") for ep in carried)
+    assert camg_worker.make_env("coding", "relay", test_tasks=64).config == camg_worker.make_env("coding").config
+
 @pytest.mark.parametrize("train_memory,mode,kept", [("blank", "wiped", False), ("full", "wiped", True),
                                                    ("blank", "full", False), ("blank", "blank", False),
                                                    ("full", "blank", True), ("full", "full", True)])
