@@ -205,15 +205,20 @@ class AutoResearchEnv(ShellTaskEnv):
                 self._tasks[split].append(Task(
                     id=f"autoresearch/lab{g:02d}/t{k:02d}", env="autoresearch", difficulty=difficulty,
                     group=f"lab{g:02d}", split=split, data={"seed": int(seed * 100_003 + g * 1_000 + k)}))
-            extra = extra_train_relay if split == "train" else extra_test_relay   # seeds 500 + k: the rest stay
-            for k in range(relay_per_group + extra):   # the relay family: the recipe is in a lab note shown once
-                self._tasks[split].append(Task(
-                    id=f"autoresearch/lab{g:02d}/relay{k:02d}", env="autoresearch", difficulty=3,
-                    group=f"lab{g:02d}", split=split,
-                    data={"seed": int(seed * 100_003 + g * 1_000 + 500 + k), "kind": 1 + k % 2, "note": True}))
+            extra = extra_train_relay if split == "train" else 0   # seeds 500 + k: the other tasks stay the same
+            self._tasks[split] += [self.relay_task(g, k, split) for k in range(relay_per_group + extra)]
+        # the extra test tasks after every other (so the first test tasks stay the same, in order)
+        self._tasks["test"] += [self.relay_task(g, k, "test") for g in range(num_train_groups, num_train_groups
+                                + num_test_groups) for k in range(relay_per_group, relay_per_group + extra_test_relay)]
         self._built = {}  # task id -> (files, hidden labels, baseline, reference, best recipe); built on first reset
         self.workspace = Workspace(run_timeout, obs_chars=2000, keep_tail=True, say_timeout=True)
         self.task, self.info, self.done = None, {}, True
+
+    def relay_task(self, g: int, k: int, split: str) -> Task:
+        """Relay task k of lab g: the recipe is in a lab note shown once (seed 500 + k of the lab's)."""
+        return Task(id=f"autoresearch/lab{g:02d}/relay{k:02d}", env="autoresearch", difficulty=3,
+                    group=f"lab{g:02d}", split=split,
+                    data={"seed": int(self.seed * 100_003 + g * 1_000 + 500 + k), "kind": 1 + k % 2, "note": True})
 
     def build(self, task: Task):
         """Dataset, workspace files, hidden labels and the two reference accuracies of one task."""

@@ -698,10 +698,11 @@ def test_a_larger_evaluation_adds_test_relay_tasks_and_keeps_the_rest(name, pool
     base, more = camg_worker.make_env(name), camg_worker.env_maker(camg.Config(eval_tasks=64))(name)
     assert len(base.tasks("test")) == pool and len(more.tasks("test")) >= 64
     assert [(t.id, t.data) for t in more.tasks("train")] == [(t.id, t.data) for t in base.tasks("train")]
-    old = {t.id: t.data for t in base.tasks("test")}
-    assert all(old[t.id] == t.data for t in more.tasks("test") if t.id in old)
-    new = [t for t in more.tasks("test") if t.id not in old]
-    assert len(new) == len(more.tasks("test")) - pool and all(t.difficulty == 3 and t.split == "test" for t in new)
+    # the old test tasks first, in order (what format_validity's first four per env are taken from)
+    assert [(t.id, t.data) for t in more.tasks("test")[:pool]] == [(t.id, t.data) for t in base.tasks("test")]
+    new = more.tasks("test")[pool:]
+    assert len({t.id for t in more.tasks("test")}) == len(more.tasks("test"))
+    assert all(t.difficulty == 3 and t.split == "test" and "relay" in t.id for t in new)
     ids = lambda env, n: [t.id for s in camg_eval.eval_streams(env, n, 1) for t in s]
     assert ids(more, 16) == ids(base, 16) and len(set(ids(more, 64))) == 64
     carried, _ = camg_worker.reference_episodes(more, new[::len(new) // 2][:2], camg_worker.small_tokenizer(),
