@@ -1,7 +1,7 @@
 """CAMG-RL: one policy trained on Shop, DeepResearch, AutoResearch (and Coding: --env-weights) with fully asynchronous
 PPO (actor + critic, GAE, token-level decoupled loss) that learns file-based memory from the task reward.
 
-    python camg.py                            # the laptop preset (~20 min on 2 cores): warm start, RL, before/after
+    python camg.py                            # the laptop preset (~10 min on 2 cores): warm start, RL, before/after
     python camg.py --model tiny --steps 2 --eval-tasks 2      # smoke run with a tiny random model
     python camg.py --eval-only --eval-memory full,blank,continuation                # evaluate the resumed model
     python camg.py --family standard --train-memory full --eval-stream-len 4      # memory across the tasks of a stream
