@@ -703,6 +703,9 @@ def test_a_larger_evaluation_adds_test_relay_tasks_and_keeps_the_rest(name, pool
     new = more.tasks("test")[pool:]
     assert len({t.id for t in more.tasks("test")}) == len(more.tasks("test"))
     assert all(t.difficulty == 3 and t.split == "test" and "relay" in t.id for t in new)
+    # held out as the old ones are: in the test groups only (no training shopper, region or lab)
+    assert {t.group for t in new} <= {t.group for t in base.tasks("test")}
+    assert not {t.group for t in new} & {t.group for t in more.tasks("train")}
     ids = lambda env, n: [t.id for s in camg_eval.eval_streams(env, n, 1) for t in s]
     assert ids(more, 16) == ids(base, 16) and len(set(ids(more, 64))) == 64
     carried, _ = camg_worker.reference_episodes(more, new[::len(new) // 2][:2], camg_worker.small_tokenizer(),
