@@ -77,11 +77,19 @@ def writer_rewards(scores, k):
     return [w.delta for w in writer_windows(scores, k)]
 
 
-def writer_reward_gated(delta, ok, bonus=0.1):
+GATE_FLOOR = -1.0   # below every well-formed memory's reward: scores lie in [0, 1], so delta + bonus >= -0.9
+
+
+def writer_reward_gated(delta, ok, bonus=0.1, gate="zero"):
     """R = ok · delta + bonus · ok: a memory that fails the format check earns exactly 0, so
-    the writer cannot be paid for a lucky next task with a malformed memory."""
-    ok = 1.0 if ok else 0.0
-    return ok * float(delta) + bonus * ok
+    the writer cannot be paid for a lucky next task with a malformed memory. That 0 is above a
+    well-formed memory whose next window is harder than its past by more than the bonus (delta <
+    -0.1: a third of the positions on easy->hard streams), so there the gate pays the malformed one.
+    gate="floor" (not RIME's; docs/results.md) gives a malformed memory GATE_FLOOR instead, below
+    every well-formed one, and leaves a well-formed memory's reward as it is."""
+    if not ok:
+        return GATE_FLOOR if gate == "floor" else 0.0
+    return float(delta) + bonus
 
 
 @dataclass
@@ -97,7 +105,8 @@ class WriterReward:
     format_reasons: list = field(default_factory=list)  # why the check failed (empty if ok)
 
 
-def writer_rewards_gated(scores, k, memories, old_memories, prompt_text=None, bonus=0.1, statuses=None):
+def writer_rewards_gated(scores, k, memories, old_memories, prompt_text=None, bonus=0.1, statuses=None,
+                         gate="zero"):
     """Everything for one stream at once: memories[t] is M_t (written after task t) and
     old_memories[t] the memory the writer was given (M_{t−1}; "" at the start). statuses[t], if
     given, is the writer's reply status (rollout.WriterSample.status): a reply that was cut at the
@@ -112,7 +121,7 @@ def writer_rewards_gated(scores, k, memories, old_memories, prompt_text=None, bo
         if status != "ok":
             ok, reasons = False, list(reasons) + [f"the reply was {status}"]
         out.append(WriterReward(
-            reward=writer_reward_gated(w.delta, ok, bonus) if w.trainable else 0.0,
+            reward=writer_reward_gated(w.delta, ok, bonus, gate) if w.trainable else 0.0,
             delta=w.delta, format_bonus=bonus if ok else 0.0, ok=ok, past_mean=w.past_mean,
             next_mean=w.next_mean, trainable=w.trainable, format_reasons=reasons))
     return out

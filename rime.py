@@ -107,6 +107,8 @@ class Args:
     lr: float = 3e-4                 # RL learning rate (paper 1e-6 on 4B; a tiny model needs more)
     kl_coef: float = 0.01            # KL to the frozen reference (the warm start's weights), a loss term
     kl_estimator: str = "k1"         # k1 (RIME's; zero-mean gradient on fresh samples) | k3 (pulls back: ppo_loss)
+    writer_gate: str = "zero"        # zero (RIME's: a malformed memory earns 0) | floor (it earns -1, below every
+                                     # well-formed memory: rewards.writer_reward_gated)
     clip_low: float = 0.2
     clip_high: float = 0.28
     behav_imp_weight_cap: float = 0.0  # drop tokens whose pi_prox/pi_behav exceeds this (0 = off; see ppo.policy_loss)
@@ -202,6 +204,7 @@ class Args:
         check(self.writer_groups in ("copies", "branch"), f"--writer-groups must be copies or branch, got {self.writer_groups!r}")
         check(self.branches >= 1, f"--branches must be >= 1, got {self.branches}")
         check(self.kl_estimator in ("k1", "k3"), f"--kl-estimator must be k1 or k3, got {self.kl_estimator!r}")
+        check(self.writer_gate in ("zero", "floor"), f"--writer-gate must be zero or floor, got {self.writer_gate!r}")
         check(self.writer in ("shared", "frozen", "decoupled"), "--writer must be shared, frozen or decoupled")
         check(self.actor in ("trained", "frozen"), "--actor must be trained or frozen")
         check(not (self.actor == "frozen" and self.writer != "shared"), "--actor frozen trains only the writer: keep --writer shared")
@@ -431,7 +434,8 @@ def rl_rows(outs, groups_of, args: Args, writer_prompt_text: str):
     w_rewards, w_groups, w_items, deltas, pasts, oks = [], [], [], [], [], []
     for c, o in enumerate(outs):
         wr = rewards.writer_rewards_gated(o.scores, args.k, [w.memory for w in o.writes], o.memories,
-                                          prompt_text=writer_prompt_text, statuses=[w.status for w in o.writes])
+                                          prompt_text=writer_prompt_text, statuses=[w.status for w in o.writes],
+                                          gate=args.writer_gate)
         for t, r in enumerate(wr):
             oks.append(float(r.ok))
             if not r.trainable:
@@ -498,7 +502,7 @@ def branch_rows(actor, writer, tokenizer, env, outs, groups_of, args: Args, *, s
         c, t = points[i // G]
         ok = rewards.writer_format_ok(w.memory, olds[i], rollout.WRITER_SYSTEM)[0] and w.status == "ok"
         window = rewards.writer_windows(outs[c].scores[:t + 1] + cont[i], args.k)[t]   # the copy's past, this next
-        w_rewards.append(rewards.writer_reward_gated(window.delta, ok))
+        w_rewards.append(rewards.writer_reward_gated(window.delta, ok, gate=args.writer_gate))
         groups.append(i // G)
         oks.append(float(ok))
     adv, keep = rewards.group_advantages(w_rewards, groups)

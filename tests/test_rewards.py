@@ -75,6 +75,14 @@ def test_writer_reward_gate():
     assert writer_reward_gated(-0.5, False) == 0.0
 
 
+def test_the_floor_gate_puts_a_malformed_memory_below_every_well_formed_one():
+    # RIME's gate pays a malformed memory 0, above a well-formed one whose next window is harder
+    for delta in (-1.0, -0.5, -0.11, 0.0, 0.7, 1.0):
+        assert writer_reward_gated(delta, False, gate="floor") < writer_reward_gated(delta, True, gate="floor")
+        assert writer_reward_gated(delta, True, gate="floor") == writer_reward_gated(delta, True)
+    assert writer_reward_gated(-0.5, False) > writer_reward_gated(-0.5, True)
+
+
 GOOD = """### Repository Knowledge
 - Tests run with `pytest -x tests/`.
 - The CSV exporter is `src/tablib/formats/_csv.py`.
@@ -96,6 +104,9 @@ def test_writer_rewards_gated_stream():
     assert out[4].reward == 0.0 and not out[4].trainable   # last memory: no reward, even if ok
     with pytest.raises(AssertionError, match="one memory per task"):
         writer_rewards_gated(SCORES, 2, mems[:2], olds)
+    floored = writer_rewards_gated(SCORES, 2, mems, olds, gate="floor")
+    assert floored[1].reward == -1.0 and [o.reward for i, o in enumerate(floored) if i != 1] == [
+        o.reward for i, o in enumerate(out) if i != 1]
 
 
 def test_mean_reversion_bias():
