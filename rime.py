@@ -100,6 +100,8 @@ class Args:
     no_explore: bool = False         # ablation: no exploration reward (the judge is never called)
     writer: str = "shared"           # shared | frozen (writer = initial weights, not trained) | decoupled (own weights)
     actor: str = "trained"           # trained | frozen (the actor plays with the weights RL starts from: only the writer trains)
+                                     # | protocol (Alchemy: the scripted note reader plays the actor, acting on every
+                                     # note it reads: only the writer trains; what a writer can learn for a reader)
     judge: str = "heuristic"         # heuristic | local (a frozen copy of --judge-model) | openai (the paper preset: an LLM)
     judge_model: str = ""            # local judge checkpoint (default: --model)
     judge_url: str = ""              # OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1
@@ -206,8 +208,12 @@ class Args:
         check(self.kl_estimator in ("k1", "k3"), f"--kl-estimator must be k1 or k3, got {self.kl_estimator!r}")
         check(self.writer_gate in ("zero", "floor"), f"--writer-gate must be zero or floor, got {self.writer_gate!r}")
         check(self.writer in ("shared", "frozen", "decoupled"), "--writer must be shared, frozen or decoupled")
-        check(self.actor in ("trained", "frozen"), "--actor must be trained or frozen")
-        check(not (self.actor == "frozen" and self.writer != "shared"), "--actor frozen trains only the writer: keep --writer shared")
+        check(self.actor in ("trained", "frozen", PROTOCOL), "--actor must be trained, frozen or protocol")
+        check(self.actor == "trained" or self.writer == "shared", f"--actor {self.actor} trains only the writer: keep --writer shared")
+        check(self.actor != PROTOCOL or self.env == "alchemy", "--actor protocol is Alchemy's scripted note reader: use --env alchemy")
+        check(self.actor != PROTOCOL or not self.attribute, "--attribute replays learned actors: not with --actor protocol")
+        check(self.actor != PROTOCOL or not self.before_from,
+              "--before-from reuses a learned actor's evaluation: --actor protocol makes its own")
         check(self.judge in ("heuristic", "local", "openai"), "--judge must be heuristic, local or openai")
         check(self.judge != "openai" or (self.judge_url and self.judge_api_model), "--judge openai needs --judge-url and --judge-api-model")
         check(not self.swebench or self.env == "codebase", "--swebench evaluates codebase tasks: add --env codebase")
@@ -261,6 +267,18 @@ def make_judge(args: Args, tokenizer):
         return judges.LLMJudge(judges.openai_complete(args.judge_url, args.judge_api_model))
     jm, jt = load_model(args.judge_model or args.model, args.seed)
     return judges.LLMJudge(judges.local_complete(jm.eval(), jt))
+
+
+def run_actor(actor, tokenizer, env, tasks, memory, args: Args, *, temperature: float, seed: int) -> list:
+    """The actor's episodes on `tasks` with `memory` (one text, or one per task): the model's, or with
+    --actor protocol the scripted note reader's (warmstart.protocol_policy: it acts on every note it
+    reads, true or not, and explores in a fixed order elsewhere; deterministic)."""
+    if actor == PROTOCOL:
+        mems = memory if isinstance(memory, list) else [memory] * len(tasks)
+        return rollout.run_scripted(tokenizer, env, tasks, [warmstart.protocol_policy(m) for m in mems], memory=mems,
+                                    max_turns=args.max_turns)
+    return rollout.run_episodes(actor, tokenizer, env, tasks, memory=memory, temperature=temperature, seed=seed,
+                                max_turns=args.max_turns, max_new_tokens=args.max_new_tokens)
 
 
 def train_streams(env, tasks, args: Args, step: int, rank: int):
@@ -318,9 +336,8 @@ def play_streams(actor, writer, tokenizer, env, streams, args: Args, *, temperat
     memories = list(memories) if memories is not None else [""] * len(streams)
     for t in range(lengths.pop()):
         # the actor: task t with memory M(t-1)
-        eps = rollout.run_episodes(actor, tokenizer, envs_, [s[t] for s in streams], memory=memories,
-                                   temperature=temperature, seed=seed * 7907 + t, max_turns=args.max_turns,
-                                   max_new_tokens=args.max_new_tokens)
+        eps = run_actor(actor, tokenizer, envs_, [s[t] for s in streams], memories, args,
+                        temperature=temperature, seed=seed * 7907 + t)
         # the writer: the finished episode and M(t-1) -> M(t), which replaces it
         writes = rollout.write_memory(writer, tokenizer, eps, memories, temperature=writer_temperature,
                                       seed=seed * 7919 + t, memory_tokens=args.memory_tokens,
@@ -346,8 +363,8 @@ def evaluate(model, tokenizer, env, streams, args: Args, writer_model=None) -> d
     reward, from-scratch sum, gain. Greedy decoding (the default) needs one from-scratch attempt per
     task; at eval_temperature > 0 the from-scratch score of a task is the mean of eval_attempts."""
     from tqdm import tqdm
-    model.eval()
-    kw = dict(temperature=args.eval_temperature, max_turns=args.max_turns, max_new_tokens=args.max_new_tokens)
+    if model != PROTOCOL:
+        model.eval()
     attempts = args.eval_attempts if args.eval_temperature > 0 else 1
     with tqdm(total=len(streams[0]) + attempts, desc=f"evaluate ({len(streams)} streams)", disable=not is_rank0(),
               leave=False) as bar:
@@ -358,7 +375,7 @@ def evaluate(model, tokenizer, env, streams, args: Args, writer_model=None) -> d
         for a in range(attempts):
             # from scratch: every task with empty memory (the first task of a stream has none either,
             # so under greedy decoding it gains 0 by construction)
-            eps = rollout.run_episodes(model, tokenizer, env, flat, memory="", seed=100 + a, **kw)
+            eps = run_actor(model, tokenizer, env, flat, "", args, temperature=args.eval_temperature, seed=100 + a)
             for i, ep in enumerate(eps):
                 scratch[i].append(ep.score)
             scratch_actions = scratch_actions or [ep.actions for ep in eps]
@@ -387,6 +404,7 @@ def evaluate(model, tokenizer, env, streams, args: Args, writer_model=None) -> d
         acc = [[alchemy.memory_accuracy(w.memory, task) for w, task in zip(o.writes, o.tasks)] for o in with_mem]
         out["memory_accuracy"] = [mean(a[t][0] for a in acc if a[t][0] is not None) for t in range(len(acc[0]))]
         out["memory_coverage"] = [mean(a[t][1] for a in acc) for t in range(len(acc[0]))]
+    if args.env == "alchemy" and model != PROTOCOL:
         # and does the actor act on notes? its greedy action in the scripted reference's states, same streams
         out["reference_match"] = warmstart.reference_match(model, tokenizer, env, streams, args)
         out["note_agreement"] = warmstart.note_agreement(model, tokenizer, env, streams, args)
@@ -427,7 +445,7 @@ def rl_rows(outs, groups_of, args: Args, writer_prompt_text: str):
     adv = rewards.actor_advantages(scores, groups, explore, beta=0.0 if args.no_explore else args.beta,
                                    mode=args.explore_mode, lam=0.0 if args.no_explore else args.lam)
     for i, (c, t) in enumerate((c, t) for c in range(len(outs)) for t in range(T)):
-        if adv.keep[i] and args.actor != "frozen":
+        if adv.keep[i] and args.actor == "trained":
             for r in outs[c].episodes[t].rows():
                 actor.append((r.tokens, r.loss_mask, r.logprobs, adv.advantages[i], r.temperature))
     # writer: windowed reward per copy, then GRPO over the group at (stream, position)
@@ -623,8 +641,8 @@ def warm_start_phase(run: Run) -> None:
     # the frozen writer is the weights RL starts from; the decoupled writer trains its own copy
     if args.writer == "frozen":
         run.writer_model = copy.deepcopy(learner.gen_model)
-    if args.actor == "frozen":          # only the writer trains: the actor keeps the start weights
-        run.actor_model = copy.deepcopy(learner.gen_model)
+    if args.actor != "trained":         # only the writer trains: the actor keeps the start weights, or is scripted
+        run.actor_model = copy.deepcopy(learner.gen_model) if args.actor == "frozen" else PROTOCOL
         run.writer_model = learner.gen_model
     elif args.writer == "decoupled":
         wm = copy.deepcopy(learner.gen_model).float().requires_grad_(True)   # the generation copy is frozen (bf16 on GPU)
@@ -728,6 +746,9 @@ RL_HEALTH = (("score", "score", ".3f"), ("explore", "explore", ".2f"), ("jfb", "
 
 
 # what the before-RL evaluation depends on, beside the weights and the held-out streams
+PROTOCOL = "protocol"    # --actor protocol: run_actor plays warmstart.protocol_policy
+
+
 EVAL_SETTINGS = ("env", "preset", "eval_temperature", "eval_attempts", "max_turns", "actor_context", "max_new_tokens", "memory_tokens",
                  "traj_chars", "eval_streams", "eval_segment", "tier", "swebench")
 
