@@ -821,3 +821,41 @@ def test_branched_writer_groups_compare_memories_from_one_state(monkeypatch):
         for i in range(len(eps))])
     rows, parts = rime.branch_rows(None, None, None, None, outs, [0, 0, 1, 1], args, seed=5)
     assert rows == [] and parts["writer_groups_dropped"] == 6
+
+
+def test_the_protocol_actor_plays_the_scripted_note_reader_and_trains_no_actor_rows():
+    """--actor protocol: the actor is warmstart.protocol_policy on each stream's memory (where a note decides the
+    move it makes it, true or not), the writer is the model, and only the writer's rows are trained."""
+    args = rime.parse_args(["--model", "tiny", "--actor", "protocol", "--max-turns", "4", "--max-new-tokens", "4",
+                            "--memory-tokens", "8"])
+    model, tok, env, base, copies = _streams(args)
+    task = copies[0][0]
+    # it plays exactly as the scripted protocol on that memory, whatever the model is
+    for memory in ("", warmstart.protocol_text(["- large pink", "- best large purple pointy"])):
+        eps = rime.run_actor(rime.PROTOCOL, tok, env.clone(), [task], memory, args, temperature=1.0, seed=0)
+        ref = rollout.run_scripted(tok, env.clone(), [task], [warmstart.protocol_policy(memory)], memory=[memory],
+                                   max_turns=args.max_turns)
+        assert eps[0].actions == ref[0].actions and eps[0].score == ref[0].score and eps[0].actions
+    # in the stream loop its episodes carry no sampled tokens: rl_rows trains the writer's rows only
+    outs = rime.play_streams(rime.PROTOCOL, model, tok, env, copies, args, temperature=1.0, seed=0)
+    for c, o in enumerate(outs):
+        o.explore = [None] * len(o.tasks)
+        for t, ep in enumerate(o.episodes):
+            ep.score = 0.1 * (c + 1) * (t + 1)
+        for w in o.writes:
+            w.memory = f"### Repository Knowledge\n- fact {c}\n- fact two\n\n### Lessons & Pitfalls\n- l {w.raw[:3]!r}\n- m"
+            w.status = "ok"
+    groups_of = [c // args.group_size for c in range(len(copies))]
+    actor, writer, parts = rime.rl_rows(outs, groups_of, args, rollout.WRITER_SYSTEM)
+    assert actor == [] and writer and parts["actor_rows"] == 0
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--actor", "protocol", "--env", "codebase"], "--actor protocol is Alchemy's"),
+    (["--actor", "protocol", "--attribute"], "--attribute replays learned actors"),
+    (["--actor", "protocol", "--writer", "frozen"], "trains only the writer"),
+])
+def test_the_protocol_actor_refuses_what_it_cannot_do(flags, says, capsys):
+    with pytest.raises(SystemExit):
+        rime.parse_args(["--model", "tiny", *flags])
+    assert says in capsys.readouterr().err
