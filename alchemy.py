@@ -790,6 +790,24 @@ def inferred_best(observations):
     return "- best " + " ".join(good[n] for n in FEATURE_NAMES) if len(good) == 3 else None
 
 
+_LOOK_VALUE = re.compile(r"\b(\w+) (\w+) (\w+) \(value ([+-]\d+)\)")
+
+
+def inferred_best_in(text: str):
+    """inferred_best from a text rather than whole observations: every stone look the text states with its
+    value ("s1 small blue round (value -3)" in a Stones line, "s1 is now large blue round (value -1)" in an
+    outcome) counts. The writer sees the finished task only as rollout.trajectory_text, whose cut
+    observations keep the outcomes' heads but rarely a whole state: the best stone inferred from that text
+    is the one a writer can infer from its prompt (the warm start's `--warmstart-writer inferring`)."""
+    policy = AlchemyPolicy()
+    for *words, value in _LOOK_VALUE.findall(str(text)):
+        bits = _parse_stone_text(" ".join(words))
+        if bits is not None:
+            policy.seen[bits] = int(value)
+    good = policy.knowledge["good"]
+    return "- best " + " ".join(good[n] for n in FEATURE_NAMES) if len(good) == 3 else None
+
+
 def note_reader_reply(memory: str, obs: str):
     """note_action on Alchemy's words: the notes parsed from memory, the state from the observation."""
     seen = _observed_state(obs)

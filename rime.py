@@ -95,6 +95,9 @@ class Args:
                                      # its own history) | branch (G memories sampled from one state, their next K
                                      # tasks played greedily: the same reward, a shared past; branch_rows)
     branches: int = 2                # --writer-groups branch: branch points per stream per RL step
+    writer_next: str = "stream"      # --writer-groups branch: the next window's score is the stream's next K tasks
+                                     # (RIME's) | world (the mean over every training task of the world at those K
+                                     # tasks' difficulties, each played with the memory: many more episodes, less noise)
     explore_mode: str = "advantage"  # advantage (RIME) | reward (score + lam * explore)
     lam: float = 0.1                 # weight of explore in the reward form
     no_explore: bool = False         # ablation: no exploration reward (the judge is never called)
@@ -131,6 +134,8 @@ class Args:
     warmstart_mode: str = "protocol"  # protocol (action syntax + memory shape only) | imitation (the scripted agent's content too)
     warmstart_batch: int = 10        # rows per imitation step (an episode's actor rows count as one)
     warmstart_reading: float = -1.0  # share of those rows rehearsing the reader's rungs; -1 = auto (0.4 for small, else 0)
+    warmstart_writer: str = "transcribing"  # transcribing (the protocol memory: what the episode showed) | inferring
+                                     # (and the best stone its stone values imply: warmstart.protocol_memory)
     warmstart_decisions: float = 0.2  # share of those rows that are the turns where the notes decide the move (protocol mode)
     warmstart_streams: int = 48      # scripted streams that make the imitation data
     eval_attempts: int = 2           # from-scratch attempts per task when eval_temperature > 0 (benchmark: 4)
@@ -199,12 +204,17 @@ class Args:
               "--warmstart-reading + --warmstart-decisions must leave part of each warm-start batch to the scripted rows (< 1)")
         cli.check(self.behav_imp_weight_cap == 0 or self.behav_imp_weight_cap > 1, "--behav-imp-weight-cap must be 0 (off) or > 1")
         cli.check(self.clip_ratio_c == 0 or self.clip_ratio_c > 1, "--clip-ratio-c must be 0 (off) or > 1")
+        check(self.warmstart_writer in ("transcribing", "inferring"),
+              f"--warmstart-writer must be transcribing or inferring, got {self.warmstart_writer!r}")
         check(self.warmstart_mode in ("protocol", "imitation"), f"--warmstart-mode must be protocol or imitation, got {self.warmstart_mode!r}")
         check(self.order in ("easy_to_hard", "shuffled"), f"--order must be easy_to_hard or shuffled, got {self.order!r}")
         check(self.explore_mode in ("advantage", "reward"), "--explore-mode must be advantage or reward")
         check(self.writer_baseline in ("past", "group"), "--writer-baseline must be past or group")
         check(self.writer_groups in ("copies", "branch"), f"--writer-groups must be copies or branch, got {self.writer_groups!r}")
         check(self.branches >= 1, f"--branches must be >= 1, got {self.branches}")
+        check(self.writer_next in ("stream", "world"), f"--writer-next must be stream or world, got {self.writer_next!r}")
+        check(self.writer_next == "stream" or self.writer_groups == "branch",
+              "--writer-next world scores the memories of one state: add --writer-groups branch")
         check(self.kl_estimator in ("k1", "k3"), f"--kl-estimator must be k1 or k3, got {self.kl_estimator!r}")
         check(self.writer_gate in ("zero", "floor"), f"--writer-gate must be zero or floor, got {self.writer_gate!r}")
         check(self.writer in ("shared", "frozen", "decoupled"), "--writer must be shared, frozen or decoupled")
@@ -509,7 +519,9 @@ def branch_rows(actor, writer, tokenizer, env, outs, groups_of, args: Args, *, s
     # the next K tasks from each sampled memory, greedily; streams of one length run together
     nxt = [outs[c].tasks[t + 1:t + 1 + args.k] for c, t in points for _ in range(G)]
     cont = [None] * len(writes)
-    for n in sorted({len(x) for x in nxt}):
+    if args.writer_next == "world":
+        cont = world_next(actor, tokenizer, env, nxt, [w.memory for w in writes], args)
+    for n in sorted({len(x) for x in nxt}) if args.writer_next == "stream" else ():
         idx = [i for i, x in enumerate(nxt) if len(x) == n]
         played = play_streams(actor, writer, tokenizer, env, [nxt[i] for i in idx], args, temperature=0.0,
                               seed=seed, memories=[writes[i].memory for i in idx])
@@ -529,6 +541,29 @@ def branch_rows(actor, writer, tokenizer, env, outs, groups_of, args: Args, *, s
     return rows, dict(branch_reward=mean(w_rewards), branch_format_ok=mean(oks), writer_rows=len(rows),
                       writer_groups_dropped=keep.count(False) / G, branch_spread=mean(spread),
                       branch_points=len(points))
+
+
+def world_next(actor, tokenizer, env, nxt, memories, args: Args) -> list:
+    """--writer-next world: each memory's next window scored by what the memory is worth there rather than by
+    one draw of it. For next tasks `nxt[i]` (a world's, at some difficulties), every training task of that
+    world at each of those difficulties is played greedily with `memories[i]` (the memory as written, not
+    rewritten between them), and each of the K positions gets the mean score at its difficulty. A memory's
+    worth to the note reader differs between a group's samples by ~0.05 a task against a task score's spread
+    of ~0.3 (docs/results.md, "Why the writer's reward does not teach it"): three tasks cannot tell them apart.
+    -> per memory, K scores (the same length as nxt[i])."""
+    pool = {}
+    for task in env.tasks("train"):
+        pool.setdefault((task.group, task.difficulty), []).append(task)
+    keys = [sorted({(t.group, t.difficulty) for t in x}) for x in nxt]
+    jobs = [(i, key, task) for i, ks in enumerate(keys) for key in ks for task in pool[key]]
+    eps = run_actor(actor, tokenizer, env, [task for _, _, task in jobs], [memories[i] for i, _, _ in jobs], args,
+                    temperature=0.0, seed=0)
+    sums = {}
+    for (i, key, _), ep in zip(jobs, eps):
+        total, n = sums.get((i, key), (0.0, 0))
+        sums[(i, key)] = (total + ep.score, n + 1)
+    return [[sums[(i, (t.group, t.difficulty))][0] / sums[(i, (t.group, t.difficulty))][1] for t in x]
+            for i, x in enumerate(nxt)]
 
 
 def batch_of(rows, version):

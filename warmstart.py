@@ -48,14 +48,21 @@ def protocol_policy(memory: str):
     return act
 
 
-def protocol_memory(ep, traj_chars: int) -> str:
+def protocol_memory(ep, traj_chars: int, infer: bool = False) -> str:
     """The memory's two-section shape, written by an unselective note-taker: the effects the writer's
     prompt shows this episode's observations stating (rollout.trajectory_text at `traj_chars`),
     transcribed in their words ("- large pink", "- best large purple pointy": alchemy.observed_notes),
-    and two generic lessons. It infers nothing and keeps nothing of the previous memory: keeping facts
-    across tasks, fixing wrong ones and choosing what fits the cap is left to RL."""
-    from alchemy import observed_notes
-    return protocol_text(observed_notes([rollout.trajectory_text(ep, traj_chars)]))
+    and two generic lessons. It keeps nothing of the previous memory: keeping facts across tasks, fixing
+    wrong ones and choosing what fits the cap is left to RL. infer (`--warmstart-writer inferring`): the
+    best stone is the one the stone values in that same text imply (alchemy.inferred_best_in, the
+    reader's infer rung) whenever they settle it, not only one seen at +15; still this episode's
+    content, never a fact of the world the episode did not show."""
+    from alchemy import inferred_best_in, observed_notes
+    text = rollout.trajectory_text(ep, traj_chars)
+    facts, best = observed_notes([text]), inferred_best_in(text) if infer else None
+    if best is not None:
+        facts = [f for f in facts if not f.startswith("- best ")] + [best]
+    return protocol_text(facts)
 
 
 def protocol_text(facts: list) -> str:
@@ -188,7 +195,7 @@ def scripted_play(tokenizer, env, streams, args):
         eps = rollout.run_scripted(tokenizer, envs_, ts, pols, memory=memories)
         for i, (ep, pol) in enumerate(zip(eps, pols)):
             new = (memory_text(pol.knowledge, ep.task.id, ep.score) if args.warmstart_mode == "imitation"
-                   else protocol_memory(ep, args.traj_chars))
+                   else protocol_memory(ep, args.traj_chars, infer=args.warmstart_writer == "inferring"))
             prompt = fmt.prompt(rollout.WRITER_SYSTEM, rollout.writer_prompt(ep, memories[i], args.traj_chars))
             target = fmt.encode(new) + [fmt.end_id]
             yield t, ep, (prompt + target, [0] * len(prompt) + [1] * len(target))

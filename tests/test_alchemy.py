@@ -8,7 +8,7 @@ import pytest
 
 import envs
 from alchemy import (ALL_EDGES, COLOURS, AlchemyEnv, FEATURE_NAMES, FEATURES, LEVELS, Chemistry, chemistry_of,
-                     explore_action, inferred_best, protocol_reply, format_notes, note_reader_reply, observed_notes, oracle_policy, parse_action, parse_notes, parse_observation, stone_text,
+                     explore_action, inferred_best, inferred_best_in, protocol_reply, format_notes, note_reader_reply, observed_notes, oracle_policy, parse_action, parse_notes, parse_observation, stone_text,
                      stone_value, trial_optimum)
 from envs import Task
 
@@ -423,6 +423,29 @@ def test_observed_notes_transcribe_only_what_the_observations_said():
                                                           "good": dict(zip(FEATURE_NAMES, ("large", "purple", "pointy"))),
                                                           "blocked": []}
     assert observed_notes(["p1 pink on s1: large red. s1 is now ..."]) == []     # not its own colour: not an effect
+
+
+def test_the_best_stone_inferred_from_the_writers_text_is_the_one_the_episode_implies():
+    """inferred_best_in reads every look with its value in a text, outcome heads included ("s1 is now ...
+    (value -3)"): on the writer's view of real episodes (rollout.trajectory_text, whose cut observations
+    keep few whole states) it settles the best stone wherever the whole observations do, and never wrongly;
+    a state block alone settles far fewer. Words that are no stone's, or no value, count for nothing."""
+    import pretrain, rollout, warmstart
+    env = AlchemyEnv(num_trials=1)             # the laptop preset's task: one trial, the writer's text holds it
+    tasks = env.tasks("train")[:60]
+    eps = rollout.run_scripted(pretrain.load_reader()[1], env, tasks, [warmstart.protocol_policy("") for _ in tasks], max_turns=24)
+    whole = text = states = 0
+    for ep in eps:
+        truth = "- best " + stone_text(7 ^ chemistry_of(ep.task.data).flips)
+        got = inferred_best_in(rollout.trajectory_text(ep, 1200))
+        assert got in (None, truth), ep.task.id
+        assert (got is None) == (inferred_best(ep.observations) is None), ep.task.id
+        whole += got is not None
+        states += inferred_best(ep.observations[:1]) is not None
+    assert whole >= 45 and whole > states + 10
+    assert inferred_best_in("s1 small blue round (value -3)") == "- best large purple pointy"
+    assert inferred_best_in("s1 small blue round (value +1)") is None
+    assert inferred_best_in("s1 tiny blue round (value -3); small blue round") is None
 
 
 def test_the_best_stone_is_inferred_from_the_values_seen_and_never_wrong(env, train):

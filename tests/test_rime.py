@@ -166,6 +166,7 @@ def test_train_worlds_reach_the_env_and_keep_its_test_worlds():
     (["--actor-context", "some"], "--actor-context must be all or latest"),
     (["--actor-context", "latest", "--env", "codebase"], "--actor-context latest needs --env alchemy"),
     (["--warmstart-mode", "copy"], "--warmstart-mode must be protocol or imitation"),
+    (["--warmstart-writer", "keeping"], "--warmstart-writer must be transcribing or inferring"),
     (["--eval-temperature", "-1"], "--eval-temperature must be a number in [0"),
     (["--writer-temperature", "0"], "--writer-temperature must be a number in (0"),
     (["--writer-temperature", "-2"], "--writer-temperature must be > 0, or -1"),
@@ -735,6 +736,10 @@ def test_scripted_writers_transcribe_keep_and_infer():
     assert facts(writers["transcribing + best inferred"](ep, old)) == ["- pointy yellow", "- best small purple pointy"]
     for write in writers.values():
         assert rewards.writer_format_ok(write(ep, old), old)[0]
+    # the warm start's target with --warmstart-writer inferring: the same transcription, the best stone
+    # inferred from the writer's own view of the episode (its cut trajectory text), a seen one replaced
+    assert facts(warmstart.protocol_memory(ep, 1200, infer=True)) == ["- pointy yellow", "- best small purple pointy"]
+    assert warmstart.protocol_memory(ep, 1200) == writers["transcribing"](ep, old)
 
 
 def test_greedy_replies_in_chunks_are_the_replies_of_one_call(monkeypatch):
@@ -850,10 +855,37 @@ def test_the_protocol_actor_plays_the_scripted_note_reader_and_trains_no_actor_r
     assert actor == [] and writer and parts["actor_rows"] == 0
 
 
+def test_writer_next_world_scores_a_memory_by_its_worth_at_the_next_difficulties():
+    """--writer-next world (rime.world_next): each next position's score is the mean, over every training task
+    of the stream's world at that position's difficulty, of the memory's greedy episode there; a memory whose
+    notes are the world's true chemistry is worth more to the note reader than none."""
+    import alchemy, pretrain
+    args = rime.parse_args(["--model", "tiny", "--actor", "protocol", "--writer-groups", "branch", "--writer-next", "world"])
+    env = rime.make_env(args)
+    train = env.tasks("train")
+    world = [t for t in train if t.group == train[0].group]
+    nxt = [[world[7], world[30]]] * 2                 # two next tasks, at difficulties 1 and 5
+    d = world[0].data
+    chem = alchemy.chemistry_of(d)
+    true = [f"- {alchemy.FEATURES[a][b ^ (d['flips'] >> a & 1)]} {colour}"
+            for colour, (a, b) in ((c, chem.potion_effect(i)) for i, c in enumerate(alchemy.COLOURS))]
+    notes = warmstart.protocol_text(true + ["- best " + alchemy.stone_text(7 ^ d["flips"])])
+    _, tok = pretrain.load_reader()
+    got = rime.world_next(rime.PROTOCOL, tok, env, nxt, ["", notes], args)
+    for scores, memory in zip(got, ["", notes]):
+        for task, score in zip(nxt[0], scores):
+            pool = [t for t in world if t.difficulty == task.difficulty]
+            eps = rime.run_actor(rime.PROTOCOL, tok, env, pool, memory, args, temperature=0.0, seed=0)
+            assert len(pool) > 1 and score == pytest.approx(sum(e.score for e in eps) / len(pool))
+    assert sum(got[1]) > sum(got[0])
+
+
 @pytest.mark.parametrize("flags, says", [
     (["--actor", "protocol", "--env", "codebase"], "--actor protocol is Alchemy's"),
     (["--actor", "protocol", "--attribute"], "--attribute replays learned actors"),
     (["--actor", "protocol", "--writer", "frozen"], "trains only the writer"),
+    (["--writer-next", "world"], "--writer-next world scores the memories of one state: add --writer-groups branch"),
+    (["--writer-next", "all", "--writer-groups", "branch"], "--writer-next must be stream or world"),
 ])
 def test_the_protocol_actor_refuses_what_it_cannot_do(flags, says, capsys):
     with pytest.raises(SystemExit):
