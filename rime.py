@@ -519,14 +519,15 @@ def branch_rows(actor, writer, tokenizer, env, outs, groups_of, args: Args, *, s
     # the next K tasks from each sampled memory, greedily; streams of one length run together
     nxt = [outs[c].tasks[t + 1:t + 1 + args.k] for c, t in points for _ in range(G)]
     cont = [None] * len(writes)
-    if args.writer_next == "world":
+    if args.writer_next == "world":    # not RIME's: each memory's worth at the next difficulties (world_next)
         cont = world_next(actor, tokenizer, env, nxt, [w.memory for w in writes], args)
-    for n in sorted({len(x) for x in nxt}) if args.writer_next == "stream" else ():
-        idx = [i for i, x in enumerate(nxt) if len(x) == n]
-        played = play_streams(actor, writer, tokenizer, env, [nxt[i] for i in idx], args, temperature=0.0,
-                              seed=seed, memories=[writes[i].memory for i in idx])
-        for i, o in zip(idx, played):
-            cont[i] = o.scores
+    else:
+        for n in sorted({len(x) for x in nxt}):
+            idx = [i for i, x in enumerate(nxt) if len(x) == n]
+            played = play_streams(actor, writer, tokenizer, env, [nxt[i] for i in idx], args, temperature=0.0,
+                                  seed=seed, memories=[writes[i].memory for i in idx])
+            for i, o in zip(idx, played):
+                cont[i] = o.scores
     w_rewards, groups, oks = [], [], []
     for i, w in enumerate(writes):
         c, t = points[i // G]
@@ -547,10 +548,9 @@ def world_next(actor, tokenizer, env, nxt, memories, args: Args) -> list:
     """--writer-next world: each memory's next window scored by what the memory is worth there rather than by
     one draw of it. For next tasks `nxt[i]` (a world's, at some difficulties), every training task of that
     world at each of those difficulties is played greedily with `memories[i]` (the memory as written, not
-    rewritten between them), and each of the K positions gets the mean score at its difficulty. A memory's
-    worth to the note reader differs between a group's samples by ~0.05 a task against a task score's spread
-    of ~0.3 (docs/results.md, "Why the writer's reward does not teach it"): three tasks cannot tell them apart.
-    -> per memory, K scores (the same length as nxt[i])."""
+    rewritten between them), and each of the K positions gets the mean score at its difficulty. The worths
+    of a group's samples to the note reader differ by 0.01-0.08 a task, and three tasks rarely tell them
+    apart (docs/results.md, "What a memory is worth to the note reader"). -> per memory, K scores."""
     pool = {}
     for task in env.tasks("train"):
         pool.setdefault((task.group, task.difficulty), []).append(task)
