@@ -786,6 +786,11 @@ def inferred_best(observations):
         state = parse_observation(obs)
         if state is not None:
             policy._observe(state)
+    return _best_note(policy)
+
+
+def _best_note(policy: "AlchemyPolicy"):
+    """The "- best ..." note of what a policy's bookkeeping has settled, or None while a feature is open."""
     good = policy.knowledge["good"]
     return "- best " + " ".join(good[n] for n in FEATURE_NAMES) if len(good) == 3 else None
 
@@ -804,8 +809,7 @@ def inferred_best_in(text: str):
         bits = _parse_stone_text(" ".join(words))
         if bits is not None:
             policy.seen[bits] = int(value)
-    good = policy.knowledge["good"]
-    return "- best " + " ".join(good[n] for n in FEATURE_NAMES) if len(good) == 3 else None
+    return _best_note(policy)
 
 
 def note_reader_reply(memory: str, obs: str):

@@ -518,10 +518,10 @@ def branch_rows(actor, writer, tokenizer, env, outs, groups_of, args: Args, *, s
                                   seed=seed, memory_tokens=args.memory_tokens, traj_chars=args.traj_chars)
     # the next K tasks from each sampled memory, greedily; streams of one length run together
     nxt = [outs[c].tasks[t + 1:t + 1 + args.k] for c, t in points for _ in range(G)]
-    cont = [None] * len(writes)
     if args.writer_next == "world":    # not RIME's: each memory's worth at the next difficulties (world_next)
         cont = world_next(actor, tokenizer, env, nxt, [w.memory for w in writes], args)
     else:
+        cont = [None] * len(writes)
         for n in sorted({len(x) for x in nxt}):
             idx = [i for i, x in enumerate(nxt) if len(x) == n]
             played = play_streams(actor, writer, tokenizer, env, [nxt[i] for i in idx], args, temperature=0.0,
@@ -558,12 +558,10 @@ def world_next(actor, tokenizer, env, nxt, memories, args: Args) -> list:
     jobs = [(i, key, task) for i, ks in enumerate(keys) for key in ks for task in pool[key]]
     eps = run_actor(actor, tokenizer, env, [task for _, _, task in jobs], [memories[i] for i, _, _ in jobs], args,
                     temperature=0.0, seed=0)
-    sums = {}
+    scores = {}
     for (i, key, _), ep in zip(jobs, eps):
-        total, n = sums.get((i, key), (0.0, 0))
-        sums[(i, key)] = (total + ep.score, n + 1)
-    return [[sums[(i, (t.group, t.difficulty))][0] / sums[(i, (t.group, t.difficulty))][1] for t in x]
-            for i, x in enumerate(nxt)]
+        scores.setdefault((i, key), []).append(ep.score)
+    return [[mean(scores[(i, (t.group, t.difficulty))]) for t in x] for i, x in enumerate(nxt)]
 
 
 def batch_of(rows, version):

@@ -59,10 +59,13 @@ def protocol_memory(ep, traj_chars: int, infer: bool = False) -> str:
     content, never a fact of the world the episode did not show."""
     from alchemy import inferred_best_in, observed_notes
     text = rollout.trajectory_text(ep, traj_chars)
-    facts, best = observed_notes([text]), inferred_best_in(text) if infer else None
-    if best is not None:
-        facts = [f for f in facts if not f.startswith("- best ")] + [best]
-    return protocol_text(facts)
+    return protocol_text(with_best(observed_notes([text]), inferred_best_in(text) if infer else None))
+
+
+def with_best(facts: list, best) -> list:
+    """The facts with `best` (a "- best ..." note, or None: the facts as they are) in place of any best stone
+    they state."""
+    return facts if best is None else [f for f in facts if not f.startswith("- best ")] + [best]
 
 
 def protocol_text(facts: list) -> str:
@@ -97,10 +100,7 @@ def scripted_writers(traj_chars: int, fits) -> dict:
         return protocol_text(facts)
 
     def inferring(ep, old: str) -> str:
-        facts, best = seen(ep), inferred_best(ep.observations)
-        if best is not None:
-            facts = [f for f in facts if not f.startswith("- best ")] + [best]
-        return protocol_text(facts)
+        return protocol_text(with_best(seen(ep), inferred_best(ep.observations)))
     return {"transcribing": lambda ep, old: protocol_memory(ep, traj_chars),
             "transcribing, keeping": keeping, "transcribing + best inferred": inferring}
 
