@@ -543,16 +543,18 @@ def writer_prompt(ep: Episode, old_memory: str, traj_chars: int = 4000) -> str:
 
 
 def write_memory(model, tokenizer, episodes, old_memories, temperature=1.0, seed=0, *,
-                 memory_tokens=2048, max_new_tokens=None, traj_chars=4000, enable_thinking=False):
+                 memory_tokens=2048, max_new_tokens=None, traj_chars=4000, enable_thinking=False, think_tokens=0):
     """The writer role, batched over episodes. Returns one WriterSample per episode.
 
     Memory is replaced, not appended, and capped at `memory_tokens`. An empty reply keeps the old
     memory (status "empty"); a reply that hits the cap is cut there (status "truncated"). Both are
     logged by the caller and fail the writer's format gate downstream. The memory is the reply's
     answer after any think block (ChatFormat.answer); the row keeps the whole reply, as sampled.
+    `think_tokens` is a budget for that block on top of the cap (the reply may run to memory_tokens +
+    think_tokens; the answer is still cut at memory_tokens).
     """
     fmt = ChatFormat(tokenizer, enable_thinking)
-    max_new_tokens = max_new_tokens or memory_tokens
+    max_new_tokens = max_new_tokens or memory_tokens + think_tokens
     prompts = [fmt.prompt(WRITER_SYSTEM, writer_prompt(ep, m, traj_chars)) for ep, m in zip(episodes, old_memories)]
     outs = generate(model, prompts, max_new_tokens, temperature=temperature,
                     stop_token_ids=fmt.eos_ids, seed=seed)
@@ -563,8 +565,10 @@ def write_memory(model, tokenizer, episodes, old_memories, temperature=1.0, seed
         status = "ok"
         if not text:
             status, text = "empty", old
-        elif out.finish_reason == "length" and len(out.tokens) >= memory_tokens:
+        elif out.finish_reason == "length" and len(out.tokens) >= max_new_tokens:
             status = "truncated"
+        if max_new_tokens > memory_tokens and len(fmt.encode(text)) > memory_tokens:   # a think budget: cap the answer
+            status, text = "truncated", tokenizer.decode(fmt.encode(text)[:memory_tokens]).strip()
         samples.append(WriterSample(tokens=p + out.tokens, loss_mask=[0] * len(p) + [1] * len(out.tokens),
                                     logprobs=[0.0] * len(p) + out.logprobs, memory=text, raw=raw, status=status,
                                     temperature=temperature))

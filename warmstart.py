@@ -62,6 +62,34 @@ def protocol_memory(ep, traj_chars: int, infer: bool = False) -> str:
     return protocol_text(with_best(observed_notes([text]), inferred_best_in(text) if infer else None))
 
 
+def writer_reply(ep, traj_chars: int, writer: str = "transcribing") -> tuple:
+    """The scripted writer's whole reply and the memory in it, -> (reply, memory). transcribing and
+    inferring: the reply is protocol_memory. thinking (`--warmstart-writer thinking`): a think block first
+    that copies the task's first state from the writer's prompt (its Trial, Stones, Potions and Actions
+    lines, as the trajectory's first observation shows them) and ends with the note "- best ..." those
+    stones' values imply, or "- best unknown" when they leave a feature open: the reader's infer rung in
+    its own shape (state, then "- best"), taken inside the writer's reply instead of across its long
+    prompt. The memory after the block transcribes what the episode showed, with that best stone when no
+    stone was seen at +15. Still this episode's content only."""
+    if writer != "thinking":
+        memory = protocol_memory(ep, traj_chars, infer=writer == "inferring")
+        return memory, memory
+    from alchemy import inferred_best_in, observed_notes
+    state = first_state(ep)
+    best = inferred_best_in(state)
+    facts = observed_notes([rollout.trajectory_text(ep, traj_chars)])
+    if best and not any(f.startswith("- best ") for f in facts):
+        facts = with_best(facts, best)
+    memory = protocol_text(facts)
+    return f"<think>\n{state}\n{best or '- best unknown'}\n</think>\n\n{memory}", memory
+
+
+def first_state(ep) -> str:
+    """The task's first observation from its "Trial" line on (the whole observation if it has none)."""
+    obs = ep.observations[0] if ep.observations else ""
+    return obs[obs.index("Trial "):] if "Trial " in obs else obs
+
+
 def with_best(facts: list, best) -> list:
     """The facts with `best` (a "- best ..." note, or None: the facts as they are) in place of any best stone
     they state."""
@@ -194,10 +222,12 @@ def scripted_play(tokenizer, env, streams, args):
             pols = [protocol_policy(m) for m in memories]
         eps = rollout.run_scripted(tokenizer, envs_, ts, pols, memory=memories)
         for i, (ep, pol) in enumerate(zip(eps, pols)):
-            new = (memory_text(pol.knowledge, ep.task.id, ep.score) if args.warmstart_mode == "imitation"
-                   else protocol_memory(ep, args.traj_chars, infer=args.warmstart_writer == "inferring"))
+            if args.warmstart_mode == "imitation":
+                reply = new = memory_text(pol.knowledge, ep.task.id, ep.score)
+            else:
+                reply, new = writer_reply(ep, args.traj_chars, args.warmstart_writer)
             prompt = fmt.prompt(rollout.WRITER_SYSTEM, rollout.writer_prompt(ep, memories[i], args.traj_chars))
-            target = fmt.encode(new) + [fmt.end_id]
+            target = fmt.encode(reply) + [fmt.end_id]
             yield t, ep, (prompt + target, [0] * len(prompt) + [1] * len(target))
             memories[i] = new
     for e in envs_[1:]:
@@ -328,7 +358,8 @@ def writer_validity(model, tokenizer, env, tasks, args, turns=6, episodes=None) 
     eps = episodes or rollout.run_episodes(model, tokenizer, env, tasks, temperature=0.0, max_turns=turns,
                                            max_new_tokens=args.max_new_tokens)
     ws = rollout.write_memory(model, tokenizer, eps, [""] * len(eps), temperature=0.0,
-                              memory_tokens=args.memory_tokens, traj_chars=args.traj_chars)
+                              memory_tokens=args.memory_tokens, traj_chars=args.traj_chars,
+                              think_tokens=args.writer_think_tokens)
     return sum(w.status == "ok" and writer_format_ok(w.memory, "")[0] for w in ws) / len(ws)
 
 
