@@ -567,8 +567,10 @@ def write_memory(model, tokenizer, episodes, old_memories, temperature=1.0, seed
             status, text = "empty", old
         elif out.finish_reason == "length" and len(out.tokens) >= max_new_tokens:
             status = "truncated"
-        if max_new_tokens > memory_tokens and len(fmt.encode(text)) > memory_tokens:   # a think budget: cap the answer
-            status, text = "truncated", tokenizer.decode(fmt.encode(text)[:memory_tokens]).strip()
+        if max_new_tokens > memory_tokens:           # a think budget: cap the answer (as re-encoded)
+            ids, n = fmt.encode(text), memory_tokens
+            while len(fmt.encode(text)) > memory_tokens:
+                status, text, n = "truncated", tokenizer.decode(ids[:n]).strip(), n - 1
         samples.append(WriterSample(tokens=p + out.tokens, loss_mask=[0] * len(p) + [1] * len(out.tokens),
                                     logprobs=[0.0] * len(p) + out.logprobs, memory=text, raw=raw, status=status,
                                     temperature=temperature))

@@ -741,6 +741,17 @@ def test_scripted_writers_transcribe_keep_and_infer():
     # inferred from the writer's own view of the episode (its cut trajectory text), a seen one replaced
     assert facts(warmstart.protocol_memory(ep, 1200, infer=True)) == ["- pointy yellow", "- best small purple pointy"]
     assert warmstart.protocol_memory(ep, 1200) == writers["transcribing"](ep, old)
+    # --warmstart-writer thinking: a think block that copies the first state from the writer's prompt, then
+    # the infer rung's note on it; the memory after it is the inferring one (no stone was seen at +15)
+    reply, memory = warmstart.writer_reply(ep, 1200, "thinking")
+    thought, answer = reply.split("</think>")
+    assert thought == "<think>\n" + first[first.index("Trial"):] + "\n- best small purple pointy\n"
+    assert first[first.index("Trial"):] in rollout.writer_prompt(ep, old, 1200)
+    assert answer.strip() == memory == warmstart.protocol_memory(ep, 1200, infer=True)
+    assert rollout.ChatFormat(tiny("qwen3", seed=0)[1]).answer(reply).strip() == memory
+    assert warmstart.writer_reply(ep, 1200, "inferring") == (memory, memory)
+    ep.observations[0] = first.replace("; s2 large blue round (value -3)", "")   # one +1 stone leaves a feature open
+    assert "- best unknown\n</think>" in warmstart.writer_reply(ep, 1200, "thinking")[0]
 
 
 def test_greedy_replies_in_chunks_are_the_replies_of_one_call(monkeypatch):

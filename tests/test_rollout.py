@@ -238,6 +238,12 @@ def test_writer_batch_and_trajectory_budget():
         assert len(s.tokens) == len(s.loss_mask) == len(s.logprobs)
         assert s.status in ("ok", "truncated", "empty")
         assert sum(s.loss_mask) <= 8
+    # a think budget: the reply may run past the cap, the memory after the think block may not
+    samples = write_memory(model, tok, [ep, ep], ["old memory", ""], seed=0, memory_tokens=8, think_tokens=24)
+    for s in samples:
+        assert sum(s.loss_mask) <= 32
+        assert s.status == "empty" or len(tok(s.memory, add_special_tokens=False)["input_ids"]) <= 8
+        assert s.status != "ok" or sum(s.loss_mask) < 32
 
 
 def test_end_to_end_batches_on_alchemy():
