@@ -136,8 +136,10 @@ class Args:
     warmstart_reading: float = -1.0  # share of those rows rehearsing the reader's rungs; -1 = auto (0.4 for small, else 0)
     warmstart_writer: str = "transcribing"  # transcribing (the protocol memory: what the episode showed) | inferring
                                      # (and the best stone its stone values imply: warmstart.protocol_memory) | thinking
-                                     # (that inference in a think block before the memory: warmstart.writer_reply)
+                                     # (that inference in a think block before the memory: warmstart.writer_reply) |
+                                     # first-state (the best stone the first state implies, no block: with --writer-task-last)
     writer_think_tokens: int = -1    # the writer's budget for a think block beyond --memory-tokens; -1 = auto (128 thinking, else 0)
+    writer_task_last: bool = False   # the writer's prompt ends with the task's first observation again (rollout.writer_prompt)
     warmstart_decisions: float = 0.2  # share of those rows that are the turns where the notes decide the move (protocol mode)
     warmstart_streams: int = 48      # scripted streams that make the imitation data
     eval_attempts: int = 2           # from-scratch attempts per task when eval_temperature > 0 (benchmark: 4)
@@ -206,8 +208,8 @@ class Args:
               "--warmstart-reading + --warmstart-decisions must leave part of each warm-start batch to the scripted rows (< 1)")
         cli.check(self.behav_imp_weight_cap == 0 or self.behav_imp_weight_cap > 1, "--behav-imp-weight-cap must be 0 (off) or > 1")
         cli.check(self.clip_ratio_c == 0 or self.clip_ratio_c > 1, "--clip-ratio-c must be 0 (off) or > 1")
-        check(self.warmstart_writer in ("transcribing", "inferring", "thinking"),
-              f"--warmstart-writer must be transcribing, inferring or thinking, got {self.warmstart_writer!r}")
+        check(self.warmstart_writer in ("transcribing", "inferring", "thinking", "first-state"),
+              f"--warmstart-writer must be transcribing, inferring, thinking or first-state, got {self.warmstart_writer!r}")
         if self.writer_think_tokens == -1:
             self.writer_think_tokens = 128 if self.warmstart_writer == "thinking" else 0
         check(self.writer_think_tokens >= 0, f"--writer-think-tokens must be >= 0 (or -1: auto), got {self.writer_think_tokens}")
@@ -356,7 +358,8 @@ def play_streams(actor, writer, tokenizer, env, streams, args: Args, *, temperat
         # the writer: the finished episode and M(t-1) -> M(t), which replaces it
         writes = rollout.write_memory(writer, tokenizer, eps, memories, temperature=writer_temperature,
                                       seed=seed * 7919 + t, memory_tokens=args.memory_tokens,
-                                      traj_chars=args.traj_chars, think_tokens=args.writer_think_tokens)
+                                      traj_chars=args.traj_chars, think_tokens=args.writer_think_tokens,
+                                      task_last=args.writer_task_last)
         for o, ep, w, old in zip(outs, eps, writes, memories):
             o.episodes.append(ep)
             o.writes.append(w)
@@ -521,7 +524,7 @@ def branch_rows(actor, writer, tokenizer, env, outs, groups_of, args: Args, *, s
     olds = [outs[c].memories[t] for c, t in points for _ in range(G)]
     writes = rollout.write_memory(writer, tokenizer, eps, olds, temperature=args.writer_temperature,
                                   seed=seed, memory_tokens=args.memory_tokens, traj_chars=args.traj_chars,
-                                  think_tokens=args.writer_think_tokens)
+                                  think_tokens=args.writer_think_tokens, task_last=args.writer_task_last)
     # the next K tasks from each sampled memory, greedily; streams of one length run together
     nxt = [outs[c].tasks[t + 1:t + 1 + args.k] for c, t in points for _ in range(G)]
     if args.writer_next == "world":    # not RIME's: each memory's worth at the next difficulties (world_next)
@@ -789,7 +792,7 @@ PROTOCOL = "protocol"    # --actor protocol: run_actor plays warmstart.protocol_
 
 
 EVAL_SETTINGS = ("env", "preset", "eval_temperature", "eval_attempts", "max_turns", "actor_context", "max_new_tokens", "memory_tokens",
-                 "writer_think_tokens", "traj_chars", "eval_streams", "eval_segment", "tier", "swebench")
+                 "writer_think_tokens", "writer_task_last", "traj_chars", "eval_streams", "eval_segment", "tier", "swebench")
 
 
 def reused_before(run: Run) -> dict:
@@ -802,7 +805,7 @@ def reused_before(run: Run) -> dict:
         summary = json.load(f)
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
-    before = {"actor_context": "all", "writer_think_tokens": 0}   # what a run made before the setting existed used
+    before = {"actor_context": "all", "writer_think_tokens": 0, "writer_task_last": False}   # what a run made before the setting existed used
     problems = [n for n in EVAL_SETTINGS if config.get(n, before.get(n)) != getattr(args, n)]
     if summary["streams"] != [[t.id for t in s] for s in run.streams]:
         problems.append("held-out streams")

@@ -536,14 +536,18 @@ def _cut_outcome(o: str, share: int) -> str:
     return head + "\n" + rest[: room // 2] + " ... " + rest[-room // 2:]
 
 
-def writer_prompt(ep: Episode, old_memory: str, traj_chars: int = 4000) -> str:
+def writer_prompt(ep: Episode, old_memory: str, traj_chars: int = 4000, task_last: bool = False) -> str:
+    """task_last: the task's first observation again at the end, right before the memory is written (what the
+    task began with, next to where a note about it is written; rime.py --writer-task-last)."""
     feedback = f"Score: {ep.score:.2f} (1.0 is best)." + (f" Error: {ep.error}" if ep.error else "")
+    began = f"## The task as it began\n{ep.observations[0][:1000]}\n\n" if task_last and ep.observations else ""
     return (f"## Finished task\n{trajectory_text(ep, traj_chars)}\n\n## Grading feedback\n{feedback}\n\n"
-            f"## Previous memory\n{old_memory.strip() or '(empty)'}\n\nWrite the new memory now.")
+            f"## Previous memory\n{old_memory.strip() or '(empty)'}\n\n{began}Write the new memory now.")
 
 
 def write_memory(model, tokenizer, episodes, old_memories, temperature=1.0, seed=0, *,
-                 memory_tokens=2048, max_new_tokens=None, traj_chars=4000, enable_thinking=False, think_tokens=0):
+                 memory_tokens=2048, max_new_tokens=None, traj_chars=4000, enable_thinking=False, think_tokens=0,
+                 task_last=False):
     """The writer role, batched over episodes. Returns one WriterSample per episode.
 
     Memory is replaced, not appended, and capped at `memory_tokens`. An empty reply keeps the old
@@ -551,11 +555,11 @@ def write_memory(model, tokenizer, episodes, old_memories, temperature=1.0, seed
     logged by the caller and fail the writer's format gate downstream. The memory is the reply's
     answer after any think block (ChatFormat.answer); the row keeps the whole reply, as sampled.
     `think_tokens` is a budget for that block on top of the cap (the reply may run to memory_tokens +
-    think_tokens; the answer is still cut at memory_tokens).
+    think_tokens; the answer is still cut at memory_tokens). task_last: writer_prompt's.
     """
     fmt = ChatFormat(tokenizer, enable_thinking)
     max_new_tokens = max_new_tokens or memory_tokens + think_tokens
-    prompts = [fmt.prompt(WRITER_SYSTEM, writer_prompt(ep, m, traj_chars)) for ep, m in zip(episodes, old_memories)]
+    prompts = [fmt.prompt(WRITER_SYSTEM, writer_prompt(ep, m, traj_chars, task_last)) for ep, m in zip(episodes, old_memories)]
     outs = generate(model, prompts, max_new_tokens, temperature=temperature,
                     stop_token_ids=fmt.eos_ids, seed=seed)
     samples = []

@@ -70,8 +70,9 @@ def writer_reply(ep, traj_chars: int, writer: str = "transcribing") -> tuple:
     stones' values imply, or "- best unknown" when they leave a feature open: the reader's infer rung in
     its own shape (state, then "- best"), taken inside the writer's reply instead of across its long
     prompt. The memory after the block transcribes what the episode showed, with that best stone when no
-    stone was seen at +15. Still this episode's content only."""
-    if writer != "thinking":
+    stone was seen at +15. Still this episode's content only. first-state (`--warmstart-writer first-state`,
+    meant with `--writer-task-last`, whose writer prompt ends with that state): that memory, with no block."""
+    if writer not in ("thinking", "first-state"):
         memory = protocol_memory(ep, traj_chars, infer=writer == "inferring")
         return memory, memory
     from alchemy import inferred_best_in, observed_notes
@@ -81,6 +82,8 @@ def writer_reply(ep, traj_chars: int, writer: str = "transcribing") -> tuple:
     if best and not any(f.startswith("- best ") for f in facts):
         facts = with_best(facts, best)
     memory = protocol_text(facts)
+    if writer == "first-state":
+        return memory, memory
     return f"<think>\n{state}\n{best or '- best unknown'}\n</think>\n\n{memory}", memory
 
 
@@ -226,7 +229,8 @@ def scripted_play(tokenizer, env, streams, args):
                 reply = new = memory_text(pol.knowledge, ep.task.id, ep.score)
             else:
                 reply, new = writer_reply(ep, args.traj_chars, args.warmstart_writer)
-            prompt = fmt.prompt(rollout.WRITER_SYSTEM, rollout.writer_prompt(ep, memories[i], args.traj_chars))
+            prompt = fmt.prompt(rollout.WRITER_SYSTEM, rollout.writer_prompt(ep, memories[i], args.traj_chars,
+                                                                             args.writer_task_last))
             target = fmt.encode(reply) + [fmt.end_id]
             yield t, ep, (prompt + target, [0] * len(prompt) + [1] * len(target))
             memories[i] = new
@@ -359,7 +363,7 @@ def writer_validity(model, tokenizer, env, tasks, args, turns=6, episodes=None) 
                                            max_new_tokens=args.max_new_tokens)
     ws = rollout.write_memory(model, tokenizer, eps, [""] * len(eps), temperature=0.0,
                               memory_tokens=args.memory_tokens, traj_chars=args.traj_chars,
-                              think_tokens=args.writer_think_tokens)
+                              think_tokens=args.writer_think_tokens, task_last=args.writer_task_last)
     return sum(w.status == "ok" and writer_format_ok(w.memory, "")[0] for w in ws) / len(ws)
 
 

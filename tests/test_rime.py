@@ -166,7 +166,7 @@ def test_train_worlds_reach_the_env_and_keep_its_test_worlds():
     (["--actor-context", "some"], "--actor-context must be all or latest"),
     (["--actor-context", "latest", "--env", "codebase"], "--actor-context latest needs --env alchemy"),
     (["--warmstart-mode", "copy"], "--warmstart-mode must be protocol or imitation"),
-    (["--warmstart-writer", "keeping"], "--warmstart-writer must be transcribing, inferring or thinking"),
+    (["--warmstart-writer", "keeping"], "--warmstart-writer must be transcribing, inferring, thinking or first-state"),
     (["--writer-think-tokens", "-2"], "--writer-think-tokens must be >= 0"),
     (["--eval-temperature", "-1"], "--eval-temperature must be a number in [0"),
     (["--writer-temperature", "0"], "--writer-temperature must be a number in (0"),
@@ -750,6 +750,11 @@ def test_scripted_writers_transcribe_keep_and_infer():
     assert answer.strip() == memory == warmstart.protocol_memory(ep, 1200, infer=True)
     assert rollout.ChatFormat(tiny("qwen3", seed=0)[1]).answer(reply).strip() == memory
     assert warmstart.writer_reply(ep, 1200, "inferring") == (memory, memory)
+    assert warmstart.writer_reply(ep, 1200, "first-state") == (memory, memory)
+    # --writer-task-last: that first state again, the last thing before the writer writes
+    assert rollout.writer_prompt(ep, old, 1200, task_last=True).endswith(
+        f"## The task as it began\n{first}\n\nWrite the new memory now.")
+    assert rollout.writer_prompt(ep, old, 1200).endswith(f"{old}\n\nWrite the new memory now.")
     ep.observations[0] = first.replace("; s2 large blue round (value -3)", "")   # one +1 stone leaves a feature open
     assert "- best unknown\n</think>" in warmstart.writer_reply(ep, 1200, "thinking")[0]
 
