@@ -211,8 +211,8 @@ def reading_rows(data, n: int, rng: random.Random) -> list:
 def scripted_play(tokenizer, env, streams, args):
     """The scripted agent along every stream, side by side: yields (t, actor Episode, writer row) per task
     t of each stream, in stream order, where the writer row is (tokens, loss mask) of the writer prompt +
-    the scripted memory M(t), which the actor of task t + 1 reads. args.warmstart_mode picks the agent
-    (warmstart_rows' docstring)."""
+    the scripted reply (writer_reply: the memory M(t), which the actor of task t + 1 reads, after a think
+    block with --warmstart-writer thinking). args.warmstart_mode picks the agent (warmstart_rows' docstring)."""
     from alchemy import memory_text
     fmt = rollout.ChatFormat(tokenizer)
     memories = [""] * len(streams)
