@@ -157,6 +157,11 @@ class Args:
     checkpoint_every: int = 1        # RL steps between checkpoints
     threads: int = 0                 # CPU threads per process; 0 = auto (1 for tiny/small models: their ops are too small to split)
 
+    def writer_settings(self) -> dict:
+        """The writer's settings as rollout.write_memory takes them (the same wherever the writer writes)."""
+        return dict(memory_tokens=self.memory_tokens, traj_chars=self.traj_chars,
+                    think_tokens=self.writer_think_tokens, task_last=self.writer_task_last)
+
     def __post_init__(self):
         if self.warmstart_steps < 0:     # auto: the smoke model, codebase and a given start policy skip it
             self.warmstart_steps = 300 if (self.model != "tiny" and self.env == "alchemy" and not self.init_from) else 0
@@ -357,9 +362,7 @@ def play_streams(actor, writer, tokenizer, env, streams, args: Args, *, temperat
                         temperature=temperature, seed=seed * 7907 + t)
         # the writer: the finished episode and M(t-1) -> M(t), which replaces it
         writes = rollout.write_memory(writer, tokenizer, eps, memories, temperature=writer_temperature,
-                                      seed=seed * 7919 + t, memory_tokens=args.memory_tokens,
-                                      traj_chars=args.traj_chars, think_tokens=args.writer_think_tokens,
-                                      task_last=args.writer_task_last)
+                                      seed=seed * 7919 + t, **args.writer_settings())
         for o, ep, w, old in zip(outs, eps, writes, memories):
             o.episodes.append(ep)
             o.writes.append(w)
@@ -523,8 +526,7 @@ def branch_rows(actor, writer, tokenizer, env, outs, groups_of, args: Args, *, s
     eps = [outs[c].episodes[t] for c, t in points for _ in range(G)]
     olds = [outs[c].memories[t] for c, t in points for _ in range(G)]
     writes = rollout.write_memory(writer, tokenizer, eps, olds, temperature=args.writer_temperature,
-                                  seed=seed, memory_tokens=args.memory_tokens, traj_chars=args.traj_chars,
-                                  think_tokens=args.writer_think_tokens, task_last=args.writer_task_last)
+                                  seed=seed, **args.writer_settings())
     # the next K tasks from each sampled memory, greedily; streams of one length run together
     nxt = [outs[c].tasks[t + 1:t + 1 + args.k] for c, t in points for _ in range(G)]
     if args.writer_next == "world":    # not RIME's: each memory's worth at the next difficulties (world_next)

@@ -361,9 +361,7 @@ def writer_validity(model, tokenizer, env, tasks, args, turns=6, episodes=None) 
     from rewards import writer_format_ok
     eps = episodes or rollout.run_episodes(model, tokenizer, env, tasks, temperature=0.0, max_turns=turns,
                                            max_new_tokens=args.max_new_tokens)
-    ws = rollout.write_memory(model, tokenizer, eps, [""] * len(eps), temperature=0.0,
-                              memory_tokens=args.memory_tokens, traj_chars=args.traj_chars,
-                              think_tokens=args.writer_think_tokens, task_last=args.writer_task_last)
+    ws = rollout.write_memory(model, tokenizer, eps, [""] * len(eps), temperature=0.0, **args.writer_settings())
     return sum(w.status == "ok" and writer_format_ok(w.memory, "")[0] for w in ws) / len(ws)
 
 
