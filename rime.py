@@ -141,6 +141,8 @@ class Args:
     writer_think_tokens: int = -1    # the writer's budget for a think block beyond --memory-tokens; -1 = auto (128 thinking, else 0)
     writer_task_last: bool = False   # the writer's prompt ends with the task's first observation again (rollout.writer_prompt)
     warmstart_decisions: float = 0.2  # share of those rows that are the turns where the notes decide the move (protocol mode)
+    warmstart_writer_rows: float = 0.0  # share of those rows drawn from the writer's rows alone (beside the units, where
+                                     # they are about half): its own turn seen more often (warmstart.warm_start)
     warmstart_streams: int = 48      # scripted streams that make the imitation data
     eval_attempts: int = 2           # from-scratch attempts per task when eval_temperature > 0 (benchmark: 4)
     eval_temperature: float = 0.0    # 0 = greedy evaluation (then one from-scratch attempt is exact)
@@ -209,8 +211,10 @@ class Args:
         cli.check_number("warmstart_threshold", self.warmstart_threshold, lo=0)
         cli.check_number("warmstart_reading", self.warmstart_reading, lo=0, hi=1)
         cli.check_number("warmstart_decisions", self.warmstart_decisions, lo=0, hi=1)
-        check(self.warmstart_reading + self.warmstart_decisions < 1,
-              "--warmstart-reading + --warmstart-decisions must leave part of each warm-start batch to the scripted rows (< 1)")
+        cli.check_number("warmstart_writer_rows", self.warmstart_writer_rows, lo=0, hi=1)
+        check(self.warmstart_reading + self.warmstart_decisions + self.warmstart_writer_rows < 1,
+              "--warmstart-reading + --warmstart-decisions + --warmstart-writer-rows must leave part of each warm-start "
+              "batch to the scripted episodes (< 1)")
         cli.check(self.behav_imp_weight_cap == 0 or self.behav_imp_weight_cap > 1, "--behav-imp-weight-cap must be 0 (off) or > 1")
         cli.check(self.clip_ratio_c == 0 or self.clip_ratio_c > 1, "--clip-ratio-c must be 0 (off) or > 1")
         check(self.warmstart_writer in ("transcribing", "inferring", "thinking", "first-state"),

@@ -136,7 +136,8 @@ def scripted_writers(traj_chars: int, fits) -> dict:
             "transcribing, keeping": keeping, "transcribing + best inferred": inferring}
 
 
-def warmstart_rows(tokenizer, env, tasks, args, decisions: list | None = None, units: list | None = None):
+def warmstart_rows(tokenizer, env, tasks, args, decisions: list | None = None, units: list | None = None,
+                   writers: list | None = None):
     """Scripted streams rendered exactly as rollouts are: actor rows from run_scripted (loss mask on
     the agent's tokens) and writer rows = the writer prompt rollout.write_memory builds + a target
     memory. Two modes:
@@ -148,7 +149,7 @@ def warmstart_rows(tokenizer, env, tasks, args, decisions: list | None = None, u
     `decisions`, if given, receives note_decision_rows of every episode (protocol mode); `units`, if given,
     the warm start's sampling units as lists of row indices: an episode's actor rows (one, or one a turn where
     the actor sees only the latest observation, env.actor_context == "latest"), and each writer row, so that a
-    batch holds as many episodes either way."""
+    batch holds as many episodes either way; `writers`, if given, the writer rows' indices."""
     streams = curriculum.make_streams(tasks, args.warmstart_streams, order="easy_to_hard", segment=args.segment,
                                       seed=args.seed)
     rows = []
@@ -156,6 +157,8 @@ def warmstart_rows(tokenizer, env, tasks, args, decisions: list | None = None, u
         actor = [(r.tokens, r.loss_mask) for r in ep.rows()]
         if units is not None:
             units += [list(range(len(rows), len(rows) + len(actor))), [len(rows) + len(actor)]]
+        if writers is not None:
+            writers.append(len(rows) + len(actor))
         rows += actor
         rows.append(writer_row)
         if decisions is not None and args.warmstart_mode == "protocol":
@@ -417,14 +420,16 @@ def warm_start(learner, tokenizer, env, args, log) -> dict:
         print0(f"warm start skipped: {actor_gate} {first[actor_gate]:.2f} and writer format "
                f"{first['writer_ok']:.2f} >= {args.warmstart_threshold}")
         return summary(first, first, 0)
-    decisions, units = [], []
-    rows = warmstart_rows(tokenizer, env, env.tasks("train"), args, decisions=decisions, units=units)
+    decisions, units, writers = [], [], []
+    rows = warmstart_rows(tokenizer, env, env.tasks("train"), args, decisions=decisions, units=units, writers=writers)
     units = units or [[i] for i in range(len(rows))]
-    print0(f"warm start ({args.warmstart_mode}): {len(rows)} rows, {sum(len(r[0]) for r in rows)} tokens; "
-           f"{len(decisions)} turns where the notes decide the move; validity {first['validity']:.2f}")
     rng = random.Random(args.seed)
     n_reading = round(args.warmstart_batch * args.warmstart_reading)
     n_decisions = round(args.warmstart_batch * args.warmstart_decisions) if decisions else 0
+    n_writers = round(args.warmstart_batch * args.warmstart_writer_rows)
+    print0(f"warm start ({args.warmstart_mode}): {len(rows)} rows, {sum(len(r[0]) for r in rows)} tokens; "
+           f"{len(decisions)} turns where the notes decide the move; {n_writers} of each batch of "
+           f"{args.warmstart_batch} from the {len(writers)} writer rows; validity {first['validity']:.2f}")
     reading = reading_data(tokenizer, rng.randrange(2**31)) if n_reading else None
     if n_reading:
         print0(f"warm start: {n_reading} reading rows (pretrain.py's rungs) rehearsed in each batch of {args.warmstart_batch}")
@@ -434,8 +439,9 @@ def warm_start(learner, tokenizer, env, args, log) -> dict:
     for step in bar:
         for g in learner.optimizer.param_groups:
             g["lr"] = warmstart_lr_at(step, args)
-        batch = [rows[i] for u in rng.sample(units, min(args.warmstart_batch - n_reading - n_decisions, len(units)))
-                 for i in u]
+        n_units = args.warmstart_batch - n_reading - n_decisions - n_writers
+        batch = [rows[i] for u in rng.sample(units, min(n_units, len(units))) for i in u]
+        batch += [rows[i] for i in rng.sample(writers, min(n_writers, len(writers)))]
         batch += reading_rows(reading, n_reading, rng) if n_reading else []
         batch += rng.sample(decisions, min(n_decisions, len(decisions)))
         b = make_batch([r[0] for r in batch], [[0] * len(r[1]) for r in batch], sft_mask=[r[1] for r in batch])
