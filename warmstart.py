@@ -18,7 +18,8 @@ the protocol. Its lr decays linearly from `warmstart_lr` to 0 (warmstart_lr_at),
 fresh AdamW (ppo.Learner.reset_optimizer, called by rime.py). For the laptop reader (--model small)
 4 rows of every batch of 10 rehearse pretrain.py's reading rungs (--warmstart-reading), so that learning
 the protocol does not overwrite the reading, and (protocol mode) 2 are the rare turns where the notes
-decide the move (note_decision_rows, --warmstart-decisions).
+decide the move (note_decision_rows, --warmstart-decisions). --warmstart-writer-rows gives the writer's rows a
+share of their own (about half the episode units are writer rows; this adds more beside them).
 """
 
 import dataclasses

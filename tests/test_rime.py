@@ -717,6 +717,37 @@ def test_warm_start_rehearses_the_readers_rungs(monkeypatch):
         rime.parse_args(["--model", "small", "--warmstart-reading", "1.5"])
 
 
+def test_warm_start_draws_its_share_of_writer_rows(monkeypatch):
+    """--warmstart-writer-rows 0.5 of a batch of 8: 4 rows of every batch come from the writer's rows alone (here
+    5 tokens long), beside the units (an episode's actor rows, or a writer row); the default 0 draws none there,
+    and the shares must leave room for the episodes."""
+    import types
+    monkeypatch.setattr(warmstart, "held_out_check", lambda *a, **k: dict(validity=0.0, score=0.0, writer_ok=0.0, agreement=0.0))
+
+    def rows(*a, units=None, writers=None, **k):       # 10 episodes: an actor row of 3 tokens, a writer row of 5
+        out = []
+        for _ in range(10):
+            units += [[len(out)], [len(out) + 1]]
+            writers.append(len(out) + 1)
+            out += [([1, 2, 3], [0, 1, 1]), ([1, 2, 3, 4, 5], [0, 0, 1, 1, 1])]
+        return out
+    monkeypatch.setattr(warmstart, "warmstart_rows", rows)
+    for share, alone in ((0.5, 4), (0.0, 0)):
+        batches = []
+        learner = types.SimpleNamespace(optimizer=types.SimpleNamespace(param_groups=[{"lr": 0.0}]), gen_model=None,
+                                        update=lambda b: batches.append(b.lengths.tolist()) or {})
+        args = rime.parse_args(["--model", "tiny", "--warmstart-steps", "20", "--warmstart-batch", "8",
+                                "--warmstart-writer-rows", str(share)])
+        warmstart.warm_start(learner, None, envs.make("alchemy", num_trials=1), args, lambda r: None)
+        assert len(batches) == 20 and all(len(b) == 8 for b in batches)
+        writer_rows = [sum(n == 5 for n in b) for b in batches]
+        assert min(writer_rows) >= alone                  # the units add more, about half of the rest
+        assert sum(writer_rows) / 20 == pytest.approx(alone + (8 - alone) / 2, abs=1.0)
+    with pytest.raises(SystemExit):
+        rime.parse_args(["--model", "small", "--warmstart-writer-rows", "0.5", "--warmstart-reading", "0.4",
+                         "--warmstart-decisions", "0.2"])
+
+
 def test_scripted_writers_transcribe_keep_and_infer():
     """warmstart.scripted_writers, played in the loop by rime.py --attribute: transcribing writes what this
     episode showed and nothing older; keeping adds it to the old memory's facts, dropping the oldest until
