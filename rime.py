@@ -212,9 +212,11 @@ class Args:
         cli.check_number("warmstart_reading", self.warmstart_reading, lo=0, hi=1)
         cli.check_number("warmstart_decisions", self.warmstart_decisions, lo=0, hi=1)
         cli.check_number("warmstart_writer_rows", self.warmstart_writer_rows, lo=0, hi=1)
-        check(self.warmstart_reading + self.warmstart_decisions + self.warmstart_writer_rows < 1,
-              "--warmstart-reading + --warmstart-decisions + --warmstart-writer-rows must leave part of each warm-start "
-              "batch to the scripted episodes (< 1)")
+        shares = [round(self.warmstart_batch * x) for x in (self.warmstart_reading, self.warmstart_decisions,
+                                                            self.warmstart_writer_rows)]
+        check(sum(shares) < self.warmstart_batch,
+              f"--warmstart-reading + --warmstart-decisions + --warmstart-writer-rows take {sum(shares)} of each "
+              f"warm-start batch of {self.warmstart_batch} rows: leave at least one to the scripted episodes")
         cli.check(self.behav_imp_weight_cap == 0 or self.behav_imp_weight_cap > 1, "--behav-imp-weight-cap must be 0 (off) or > 1")
         cli.check(self.clip_ratio_c == 0 or self.clip_ratio_c > 1, "--clip-ratio-c must be 0 (off) or > 1")
         check(self.warmstart_writer in ("transcribing", "inferring", "thinking", "first-state"),

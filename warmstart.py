@@ -437,10 +437,10 @@ def warm_start(learner, tokenizer, env, args, log) -> dict:
     from tqdm import tqdm
     bar = tqdm(range(1, args.warmstart_steps + 1), desc="warm start", disable=not is_rank0())
     check, step = first, 0
+    n_units = args.warmstart_batch - n_reading - n_decisions - n_writers     # >= 1 (rime.Args checks it)
     for step in bar:
         for g in learner.optimizer.param_groups:
             g["lr"] = warmstart_lr_at(step, args)
-        n_units = args.warmstart_batch - n_reading - n_decisions - n_writers
         batch = [rows[i] for u in rng.sample(units, min(n_units, len(units))) for i in u]
         batch += [rows[i] for i in rng.sample(writers, min(n_writers, len(writers)))]
         batch += reading_rows(reading, n_reading, rng) if n_reading else []

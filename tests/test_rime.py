@@ -743,9 +743,10 @@ def test_warm_start_draws_its_share_of_writer_rows(monkeypatch):
         writer_rows = [sum(n == 5 for n in b) for b in batches]
         assert min(writer_rows) >= alone                  # the units add more, about half of the rest
         assert sum(writer_rows) / 20 == pytest.approx(alone + (8 - alone) / 2, abs=1.0)
-    with pytest.raises(SystemExit):
-        rime.parse_args(["--model", "small", "--warmstart-writer-rows", "0.5", "--warmstart-reading", "0.4",
-                         "--warmstart-decisions", "0.2"])
+    for shares in (("0.5", "0.4", "0.2"), ("0.26", "0.36", "0.36")):     # the second sums to 0.98, rounds to 11 of 10
+        with pytest.raises(SystemExit):
+            rime.parse_args(["--model", "small", "--warmstart-writer-rows", shares[0], "--warmstart-reading", shares[1],
+                             "--warmstart-decisions", shares[2]])
 
 
 def test_scripted_writers_transcribe_keep_and_infer():
