@@ -144,6 +144,8 @@ class Args:
     warmstart_writer_rows: float = 0.0  # share of those rows drawn from the writer's rows alone (beside the units, where
                                      # they are about half): its own turn seen more often (warmstart.warm_start)
     warmstart_streams: int = 48      # scripted streams that make the imitation data
+    rl_rehearsal: int = 0            # rows of the warm start's mix (its shares above) in every RL update, trained by
+                                     # cross-entropy beside the PPO loss (InstructGPT's PPO-ptx); 0 = none (RIME's)
     eval_attempts: int = 2           # from-scratch attempts per task when eval_temperature > 0 (benchmark: 4)
     eval_temperature: float = 0.0    # 0 = greedy evaluation (then one from-scratch attempt is exact)
     eval_streams: int = -1           # held-out streams over the test worlds (the CI is over streams); -1 = auto:
@@ -212,11 +214,12 @@ class Args:
         cli.check_number("warmstart_reading", self.warmstart_reading, lo=0, hi=1)
         cli.check_number("warmstart_decisions", self.warmstart_decisions, lo=0, hi=1)
         cli.check_number("warmstart_writer_rows", self.warmstart_writer_rows, lo=0, hi=1)
-        shares = [round(self.warmstart_batch * x) for x in (self.warmstart_reading, self.warmstart_decisions,
-                                                            self.warmstart_writer_rows)]
-        check(sum(shares) < self.warmstart_batch,
-              f"--warmstart-reading + --warmstart-decisions + --warmstart-writer-rows take {sum(shares)} of each "
-              f"warm-start batch of {self.warmstart_batch} rows: leave at least one to the scripted episodes")
+        check(self.rl_rehearsal >= 0, f"--rl-rehearsal must be >= 0, got {self.rl_rehearsal}")
+        for n, what in ((self.warmstart_batch, "warm-start batch"), (self.rl_rehearsal, "RL rehearsal")):
+            shares = [round(n * x) for x in (self.warmstart_reading, self.warmstart_decisions, self.warmstart_writer_rows)]
+            check(n == 0 or sum(shares) < n,
+                  f"--warmstart-reading + --warmstart-decisions + --warmstart-writer-rows take {sum(shares)} of each "
+                  f"{what} of {n} rows: leave at least one to the scripted episodes")
         cli.check(self.behav_imp_weight_cap == 0 or self.behav_imp_weight_cap > 1, "--behav-imp-weight-cap must be 0 (off) or > 1")
         cli.check(self.clip_ratio_c == 0 or self.clip_ratio_c > 1, "--clip-ratio-c must be 0 (off) or > 1")
         check(self.warmstart_writer in ("transcribing", "inferring", "thinking", "first-state"),
@@ -255,6 +258,10 @@ class Args:
               f"--before-from {self.before_from!r}: no summary.json there (a finished rime.py run dir)")
         check(self.warmstart_steps == 0 or self.env == "alchemy",
               "the warm start imitates the scripted Alchemy writer: use --warmstart-steps 0 with --env codebase")
+        check(self.rl_rehearsal == 0 or self.env == "alchemy",
+              "--rl-rehearsal rehearses the warm start's scripted Alchemy rows: use it with --env alchemy")
+        check(self.rl_rehearsal == 0 or (self.writer == "shared" and self.actor == "trained"),
+              "--rl-rehearsal trains the shared weights on both roles' rows: keep --writer shared --actor trained")
 
 
 def parse_args(argv=None) -> Args:
@@ -581,14 +588,17 @@ def world_next(actor, tokenizer, env, nxt, memories, args: Args) -> list:
     return [[mean(scores[(i, (t.group, t.difficulty))]) for t in x] for i, x in enumerate(nxt)]
 
 
-def batch_of(rows, version):
+def batch_of(rows, version, rehearsal=()):
     # every rank must join every update (FSDP collectives): a rank whose groups were all dropped
     # joins with one empty row (mask 0), which contributes nothing to the global token mean
     # rows: (tokens, loss mask, behaviour logprobs, advantage, sampling temperature); the learner
-    # scores every logprob under the temperature its row was sampled at
+    # scores every logprob under the temperature its row was sampled at. rehearsal: (tokens, mask) rows
+    # trained by cross-entropy only (their PPO mask 0); the learner adds the two token means (ppo.Learner)
     rows = rows or [([0, 0], [0, 0], [0.0, 0.0], 0.0, 1.0)]
+    sft = [[0] * len(r[0]) for r in rows] + [list(m) for _, m in rehearsal] if rehearsal else None
+    rows = rows + [(t, [0] * len(t), [0.0] * len(t), 0.0, 1.0) for t, _ in rehearsal]
     return make_batch([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows],
-                      versions=[version] * len(rows), temperatures=[r[4] for r in rows])
+                      versions=[version] * len(rows), temperatures=[r[4] for r in rows], sft_mask=sft)
 
 
 # -----------------------------------------------------------------------------
@@ -607,6 +617,7 @@ class Run:
     writer_model: object = None        # frozen or decoupled writer; None = the shared weights
     actor_model: object = None         # frozen actor (--actor frozen); None = the learner's weights
     writer_learner: Learner = None     # decoupled writer's own learner
+    mix: object = None                 # the warm start's rows, rehearsed in RL (--rl-rehearsal; warmstart.Mix)
     streams: list = None               # held-out evaluation streams
     state: dict = None                 # step, warm start and pre-RL evaluation: checkpointed
     resuming: bool = False             # a complete checkpoint was found at start
@@ -755,7 +766,7 @@ def rl_step(run: Run, step: int) -> dict:
         wstats = run.writer_learner.update(batch_of(writer, run.writer_learner.version))
         stats.update({f"writer_{k}": v for k, v in wstats.items()})
     else:                               # shared weights: one PPO step on both roles' tokens
-        stats = learner.update(batch_of(actor + writer, learner.version))
+        stats = learner.update(batch_of(actor + writer, learner.version, rehearsal_rows(run, step)))
     row = {"phase": "rl", "step": step + 1, "rollout_s": t_roll, "judge_s": t_judge,
            "update_s": time.time() - t0 - t_roll - t_judge - parts.get("branch_s", 0.0), "step_s": time.time() - t0, **parts, **judged, **stats}
     run.log(row)
@@ -765,6 +776,25 @@ def rl_step(run: Run, step: int) -> dict:
                 f.write(cli.dumps({"copy": c, "tasks": [t.id for t in o.tasks], "scores": o.scores,
                                    "memories": [w.memory for w in o.writes], "explore": o.explore}) + "\n")
     return row
+
+
+def rehearsal_rows(run: Run, step: int) -> list:
+    """--rl-rehearsal: that many rows of the warm start's mix (warmstart.Mix: its episodes, writer rows,
+    note decisions and reading rows, in its shares) for RL step `step`, trained by cross-entropy in the
+    same update as the PPO loss: InstructGPT's PPO-ptx, the imitation data mixed into every RL update so
+    that RL's steps do not wear down what the warm start taught. Drawn from the step's own RNG (a resumed
+    run draws the same rows); [] when off."""
+    args = run.args
+    if not args.rl_rehearsal:
+        return []
+    if run.mix is None:
+        run.mix = warmstart.Mix(run.tokenizer, run.env, args)
+        if run.mix.counts(args.rl_rehearsal)["reading"]:
+            run.mix.reading = warmstart.reading_data(run.tokenizer, args.seed)
+    rng = random.Random((args.seed * 1_000_003 + step) * 1009 + run.d.rank)
+    if run.mix.reading is not None:      # its items from the step's RNG too
+        run.mix.reading.rng = random.Random(rng.randrange(2**31))
+    return run.mix.draw(args.rl_rehearsal, rng)
 
 
 def judge_memories(judge, outs) -> dict:

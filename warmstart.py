@@ -402,6 +402,34 @@ def warmstart_lr_at(step: int, args) -> float:
     return args.warmstart_lr * (1 - (step - 1) / args.warmstart_steps)
 
 
+class Mix:
+    """The warm start's rows and its batch recipe, shared by the warm start and RL's rehearsal of it
+    (rime.py --rl-rehearsal). A batch of n rows holds round(n * share) reading rows (pretrain.py's rungs,
+    --warmstart-reading), turns where the notes decide (--warmstart-decisions) and writer rows alone
+    (--warmstart-writer-rows); the rest are whole episode units (an episode's actor rows, or a writer row).
+    `reading` (reading_data) is set by the caller when it draws reading rows."""
+
+    def __init__(self, tokenizer, env, args):
+        self.args, self.decisions, self.units, self.writers, self.reading = args, [], [], [], None
+        self.rows = warmstart_rows(tokenizer, env, env.tasks("train"), args, decisions=self.decisions,
+                                   units=self.units, writers=self.writers)
+        self.units = self.units or [[i] for i in range(len(self.rows))]
+
+    def counts(self, n: int) -> dict:
+        a = self.args
+        c = dict(reading=round(n * a.warmstart_reading), writers=round(n * a.warmstart_writer_rows),
+                 decisions=round(n * a.warmstart_decisions) if self.decisions else 0)
+        return {**c, "units": n - sum(c.values())}          # >= 1 (rime.Args checks it)
+
+    def draw(self, n: int, rng: random.Random) -> list:
+        """n rows' worth as (tokens, loss mask); an episode unit of several actor rows counts as one."""
+        c, rows = self.counts(n), self.rows
+        batch = [rows[i] for u in rng.sample(self.units, min(c["units"], len(self.units))) for i in u]
+        batch += [rows[i] for i in rng.sample(self.writers, min(c["writers"], len(self.writers)))]
+        batch += reading_rows(self.reading, c["reading"], rng) if c["reading"] else []
+        return batch + rng.sample(self.decisions, min(c["decisions"], len(self.decisions)))
+
+
 def warm_start(learner, tokenizer, env, args, log) -> dict:
     """SFT on the scripted rows until the held-out check passes: the writer's format rate and the actor's
     protocol agreement (protocol mode) or validity (imitation) both at `warmstart_threshold`."""
@@ -421,30 +449,22 @@ def warm_start(learner, tokenizer, env, args, log) -> dict:
         print0(f"warm start skipped: {actor_gate} {first[actor_gate]:.2f} and writer format "
                f"{first['writer_ok']:.2f} >= {args.warmstart_threshold}")
         return summary(first, first, 0)
-    decisions, units, writers = [], [], []
-    rows = warmstart_rows(tokenizer, env, env.tasks("train"), args, decisions=decisions, units=units, writers=writers)
-    units = units or [[i] for i in range(len(rows))]
+    mix = Mix(tokenizer, env, args)
     rng = random.Random(args.seed)
-    n_reading = round(args.warmstart_batch * args.warmstart_reading)
-    n_decisions = round(args.warmstart_batch * args.warmstart_decisions) if decisions else 0
-    n_writers = round(args.warmstart_batch * args.warmstart_writer_rows)
-    print0(f"warm start ({args.warmstart_mode}): {len(rows)} rows, {sum(len(r[0]) for r in rows)} tokens; "
-           f"{len(decisions)} turns where the notes decide the move; {n_writers} of each batch of "
-           f"{args.warmstart_batch} from the {len(writers)} writer rows; validity {first['validity']:.2f}")
-    reading = reading_data(tokenizer, rng.randrange(2**31)) if n_reading else None
-    if n_reading:
-        print0(f"warm start: {n_reading} reading rows (pretrain.py's rungs) rehearsed in each batch of {args.warmstart_batch}")
+    n = mix.counts(args.warmstart_batch)
+    print0(f"warm start ({args.warmstart_mode}): {len(mix.rows)} rows, {sum(len(r[0]) for r in mix.rows)} tokens; "
+           f"{len(mix.decisions)} turns where the notes decide the move; {n['writers']} of each batch of "
+           f"{args.warmstart_batch} from the {len(mix.writers)} writer rows; validity {first['validity']:.2f}")
+    if n["reading"]:
+        mix.reading = reading_data(tokenizer, rng.randrange(2**31))
+        print0(f"warm start: {n['reading']} reading rows (pretrain.py's rungs) rehearsed in each batch of {args.warmstart_batch}")
     from tqdm import tqdm
     bar = tqdm(range(1, args.warmstart_steps + 1), desc="warm start", disable=not is_rank0())
     check, step = first, 0
-    n_units = args.warmstart_batch - n_reading - n_decisions - n_writers     # >= 1 (rime.Args checks it)
     for step in bar:
         for g in learner.optimizer.param_groups:
             g["lr"] = warmstart_lr_at(step, args)
-        batch = [rows[i] for u in rng.sample(units, min(n_units, len(units))) for i in u]
-        batch += [rows[i] for i in rng.sample(writers, min(n_writers, len(writers)))]
-        batch += reading_rows(reading, n_reading, rng) if n_reading else []
-        batch += rng.sample(decisions, min(n_decisions, len(decisions)))
+        batch = mix.draw(args.warmstart_batch, rng)
         b = make_batch([r[0] for r in batch], [[0] * len(r[1]) for r in batch], sft_mask=[r[1] for r in batch])
         stats = learner.update(b)
         bar.set_postfix(sft=f"{stats.get('sft_loss', 0):.3f}")

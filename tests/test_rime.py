@@ -940,3 +940,34 @@ def test_the_protocol_actor_refuses_what_it_cannot_do(flags, says, capsys):
     with pytest.raises(SystemExit):
         rime.parse_args(["--model", "tiny", *flags])
     assert says in capsys.readouterr().err
+
+
+def test_rl_rehearsal_trains_the_warm_starts_rows_beside_ppo(tmp_path, monkeypatch):
+    """--rl-rehearsal 6 (PPO-ptx): every RL update carries 6 rows' worth of the warm start's mix, trained by
+    cross-entropy only (PPO mask 0, so the policy loss is the RL rows' alone) and logged as sft_loss; a
+    step draws the same rows however often it is drawn (a resumed run rehearses what it would have); the
+    default 0 adds nothing. The flag's misuses are one-line errors."""
+    seen = []
+    update = rime.Learner.update
+    monkeypatch.setattr(rime.Learner, "update", lambda self, b: seen.append(b) or update(self, b))
+    args = ["--model", "tiny", "--steps", "2", "--warmstart-streams", "2", "--eval-streams", "1",
+            "--eval-segment", "1", "--rl-rehearsal", "6", "--warmstart-decisions", "0.34"]
+    run = rime.main([*args, "--run-dir", str(tmp_path / "run")])
+    assert len(seen) == 2 and run.mix.counts(6) == dict(reading=0, writers=0, decisions=2, units=4)
+    for step, b in enumerate(seen):
+        sft = b.sft_mask.sum(1) > 0      # the rehearsed rows: exactly the step's draw, at the batch's end
+        rows = rime.rehearsal_rows(run, step)
+        assert sft.sum() == len(rows) >= 3 and sft[-len(rows):].all() and not (b.loss_mask[sft] > 0).any()
+        assert [b.tokens[i, :b.lengths[i]].tolist() for i in range(len(b) - len(rows), len(b))] == [t for t, _ in rows]
+    rl = [r for r in _metrics(str(tmp_path / "run")) if r["phase"] == "rl"]
+    assert len(rl) == 2 and all(r["sft_loss"] > 0 for r in rl)
+    run.mix = None                       # rebuilt as a resumed run would
+    assert rime.rehearsal_rows(run, 1) == rows != rime.rehearsal_rows(run, 0)
+    assert any(r in run.mix.decisions for r in rows)      # round(6 * 0.34) = 2 drawn from the notes' decisions
+    run.args.rl_rehearsal = 0
+    assert rime.rehearsal_rows(run, 1) == []
+    for bad in (["--rl-rehearsal", "-1"], ["--rl-rehearsal", "4", "--writer", "frozen"],
+                ["--rl-rehearsal", "4", "--actor", "protocol"], ["--rl-rehearsal", "4", "--env", "codebase"],
+                ["--rl-rehearsal", "2", "--warmstart-reading", "0.5", "--warmstart-decisions", "0.3"]):
+        with pytest.raises(SystemExit):
+            rime.parse_args(["--model", "tiny", *bad])
