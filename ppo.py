@@ -443,12 +443,14 @@ class Learner:
         self.version += 1
         if self.gen_model is not None:
             self.sync_weights()
-        # metrics that describe the whole batch, reduced over ranks: [rows, dropped rows, tokens, policy tokens]
+        # metrics that describe the whole batch, reduced over ranks: [rows, dropped rows, tokens, policy tokens,
+        # rows with policy tokens] (rows trained by cross-entropy alone, e.g. rime.py --rl-rehearsal's, have none)
         c = _all_reduce(torch.tensor([len(batch), int((~fresh).sum()), float(batch.lengths.sum()),
-                                      float(batch.loss_mask.sum())], device=self.d.device, dtype=torch.float64))
+                                      float(batch.loss_mask.sum()), int((batch.loss_mask.sum(1) > 0).sum())],
+                                     device=self.d.device, dtype=torch.float64))
         dt = time.perf_counter() - t0
         stats.update(version=self.version, num_rows=int(c[0]), num_stale=int(c[1]), tokens=int(c[2]),
-                     response_len=float(c[3] / max(c[0] - c[1], 1)), tokens_per_s=float(c[2]) / dt,
+                     response_len=float(c[3] / max(c[4], 1)), tokens_per_s=float(c[2]) / dt,
                      update_s=dt, lr=self.optimizer.param_groups[0]["lr"])
         return stats
 

@@ -688,7 +688,7 @@ def warm_start_phase(run: Run) -> None:
     args, learner = run.args, run.learner
     ladder_logged = not run.resuming and args.model in ("small", "scratch") and run.d.is_main
     if ladder_logged:
-        log_ladder(run, "before the warm start")
+        log_ladder(run, "before the warm start" if args.warmstart_steps else "before RL")
     if not run.resuming:
         run.state["warm"] = warmstart.warm_start(learner, run.tokenizer, run.env, args, run.log) if args.warmstart_steps else {}
         if run.state["warm"].get("steps"):

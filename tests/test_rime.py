@@ -961,6 +961,8 @@ def test_rl_rehearsal_trains_the_warm_starts_rows_beside_ppo(tmp_path, monkeypat
         assert [b.tokens[i, :b.lengths[i]].tolist() for i in range(len(b) - len(rows), len(b))] == [t for t, _ in rows]
     rl = [r for r in _metrics(str(tmp_path / "run")) if r["phase"] == "rl"]
     assert len(rl) == 2 and all(r["sft_loss"] > 0 for r in rl)
+    for r, b in zip(rl, seen):           # the response length is the RL rows' alone
+        assert r["response_len"] == pytest.approx(float(b.loss_mask.sum() / (b.loss_mask.sum(1) > 0).sum()))
     run.mix = None                       # rebuilt as a resumed run would
     assert rime.rehearsal_rows(run, 1) == rows != rime.rehearsal_rows(run, 0)
     assert any(r in run.mix.decisions for r in rows)      # round(6 * 0.34) = 2 drawn from the notes' decisions
