@@ -216,9 +216,9 @@ class Args:
         cli.check_number("warmstart_writer_rows", self.warmstart_writer_rows, lo=0, hi=1)
         check(self.rl_rehearsal >= 0, f"--rl-rehearsal must be >= 0, got {self.rl_rehearsal}")
         for n, what in ((self.warmstart_batch, "warm-start batch"), (self.rl_rehearsal, "RL rehearsal")):
-            shares = [round(n * x) for x in (self.warmstart_reading, self.warmstart_decisions, self.warmstart_writer_rows)]
-            check(n == 0 or sum(shares) < n,
-                  f"--warmstart-reading + --warmstart-decisions + --warmstart-writer-rows take {sum(shares)} of each "
+            taken = n - warmstart.share_counts(n, self)["units"]
+            check(n == 0 or taken < n,
+                  f"--warmstart-reading + --warmstart-decisions + --warmstart-writer-rows take {taken} of each "
                   f"{what} of {n} rows: leave at least one to the scripted episodes")
         cli.check(self.behav_imp_weight_cap == 0 or self.behav_imp_weight_cap > 1, "--behav-imp-weight-cap must be 0 (off) or > 1")
         cli.check(self.clip_ratio_c == 0 or self.clip_ratio_c > 1, "--clip-ratio-c must be 0 (off) or > 1")

@@ -402,6 +402,14 @@ def warmstart_lr_at(step: int, args) -> float:
     return args.warmstart_lr * (1 - (step - 1) / args.warmstart_steps)
 
 
+def share_counts(n: int, args) -> dict:
+    """Rows of a batch of n that each --warmstart-* share takes, rounded, and the episode units left
+    (rime.Args refuses shares that leave none)."""
+    c = dict(reading=round(n * args.warmstart_reading), writers=round(n * args.warmstart_writer_rows),
+             decisions=round(n * args.warmstart_decisions))
+    return {**c, "units": n - sum(c.values())}
+
+
 class Mix:
     """The warm start's rows and its batch recipe, shared by the warm start and RL's rehearsal of it
     (rime.py --rl-rehearsal). A batch of n rows holds round(n * share) reading rows (pretrain.py's rungs,
@@ -416,10 +424,10 @@ class Mix:
         self.units = self.units or [[i] for i in range(len(self.rows))]
 
     def counts(self, n: int) -> dict:
-        a = self.args
-        c = dict(reading=round(n * a.warmstart_reading), writers=round(n * a.warmstart_writer_rows),
-                 decisions=round(n * a.warmstart_decisions) if self.decisions else 0)
-        return {**c, "units": n - sum(c.values())}          # >= 1 (rime.Args checks it)
+        c = share_counts(n, self.args)
+        if not self.decisions:           # imitation mode has none: their share goes to the episodes
+            c.update(units=c["units"] + c["decisions"], decisions=0)
+        return c
 
     def draw(self, n: int, rng: random.Random) -> list:
         """n rows' worth as (tokens, loss mask); an episode unit of several actor rows counts as one."""
