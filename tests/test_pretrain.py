@@ -93,12 +93,13 @@ def test_the_shipped_reader_is_this_recipe_and_reads():
 
 def test_a_short_build_learns_and_resumes_after_a_kill(tmp_path, monkeypatch):
     """The recipe cannot rot: a 12-step curriculum, a 6-step cool-down, a 3-step inference stage, a 2-step
-    stone stage, a 3-step settling stage, a 2-step turns stage and a 2-step second settling stage run end to
+    stone stage, a 3-step settling stage, a 2-step turns stage, a 2-step second settling stage and a 2-step
+    renumbering stage run end to
     end, the loss falls, the decaying stages' lr decays and the constant stages' stays at its own peak after
     the warm-up, and a build killed in the curriculum (after step 7) and again in the cool-down (after step
     16) resumes from its step-6 and step-15 checkpoints and logs every step once."""
     args = pretrain.Args(steps=12, anneal_steps=6, infer_steps=3, stone_steps=2, settle_steps=3, turns_steps=2,
-                         resettle_steps=2, batch=8, eval_items=4, checkpoint_every=3, lr=3e-3)
+                         resettle_steps=2, renumber_steps=2, batch=8, eval_items=4, checkpoint_every=3, lr=3e-3)
     real_step, calls = pretrain.train_step, []
 
     def dying_at(n):
@@ -124,9 +125,9 @@ def test_a_short_build_learns_and_resumes_after_a_kill(tmp_path, monkeypatch):
     monkeypatch.setattr(pretrain, "train_step", real_step)
     pretrain.build(args, out)
     rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 31))
+    assert [r["step"] for r in rows] == list(range(1, 33))
     assert [r["phase"] for r in rows[12:]] == (["cool-down"] * 6 + ["infer"] * 3 + ["stone"] * 2 + ["settle"] * 3
-                                               + ["turns"] * 2 + ["resettle"] * 2)
+                                               + ["turns"] * 2 + ["resettle"] * 2 + ["renumber"] * 2)
     lrs = [r["lr"] for r in rows[12:18]]
     assert lrs == [pretrain.anneal_lr_at(i, args) for i in range(6)] and lrs[-1] < lrs[0]
     assert [r["lr"] for r in rows[18:21]] == [pretrain.anneal_lr_at(i, args, 3) for i in range(3)]
@@ -146,7 +147,7 @@ def test_the_stages_resume_to_the_same_weights(tmp_path, monkeypatch):
     """A build killed inside the cool-down, or inside the inference stage, ends with the weights of one that
     never stopped (a stage's optimizer and item stream are in its checkpoint)."""
     args = pretrain.Args(steps=4, anneal_steps=6, infer_steps=4, stone_steps=2, settle_steps=2, turns_steps=1,
-                         resettle_steps=1, batch=4, eval_items=4, checkpoint_every=2, threads=1)
+                         resettle_steps=1, renumber_steps=1, batch=4, eval_items=4, checkpoint_every=2, threads=1)
     monkeypatch.setattr(pretrain, "ladder", lambda model, tok, num_items=0, seed=0, rungs=None, pool=0, course=None: {
         r: {"accuracy": 0.0, "chance": 0.0, "used": u, "items": 0} for r, u in pretrain.RUNGS.items()})
     pretrain.build(args, tmp_path / "whole")
@@ -173,34 +174,38 @@ def test_the_stages_resume_to_the_same_weights(tmp_path, monkeypatch):
 
 def test_a_build_from_a_base_reader_is_the_whole_build(tmp_path, monkeypatch, capsys):
     """--base: a finished reader of an earlier recipe (recipe 9's: the curriculum and the cool-down;
-    recipe 10's: also the inference stage; recipe 11's: also the stone and settling stages) is where the
+    recipe 10's: also the inference stage; recipe 11's: also the stone and settling stages; recipe 12's: also
+    the turns and second settling stages) is where the
     build goes on: it runs only the stages the base lacks, keeps the base's metrics rows, and ends with the
     weights of a whole build. A base of another recipe is a one-line error."""
     monkeypatch.setattr(pretrain, "ladder", lambda model, tok, num_items=0, seed=0, rungs=None, pool=0, course=None: {
         r: {"accuracy": 0.0, "chance": 0.0, "used": u, "items": 0} for r, u in pretrain.RUNGS.items()})
     kw = dict(steps=4, anneal_steps=4, batch=4, eval_items=4, checkpoint_every=2, threads=1)
-    later = dict(infer_steps=3, stone_steps=2, settle_steps=2, turns_steps=2, resettle_steps=2)
+    later = dict(infer_steps=3, stone_steps=2, settle_steps=2, turns_steps=2, resettle_steps=2, renumber_steps=2)
     pretrain.build(pretrain.Args(**later, **kw), tmp_path / "whole")
     from model import load
     whole = load(tmp_path / "whole").state_dict()
-    turns = ["turns"] * 2 + ["resettle"] * 2
+    turns = ["turns"] * 2 + ["resettle"] * 2 + ["renumber"] * 2
+    done11 = {"infer_steps": 3, "stone_steps": 2, "settle_steps": 2}
     for version, made, lacks in ((9, {}, ["infer"] * 3 + ["stone"] * 2 + ["settle"] * 2 + turns),
                                  (10, {"infer_steps": 3}, ["stone"] * 2 + ["settle"] * 2 + turns),
-                                 (11, {"infer_steps": 3, "stone_steps": 2, "settle_steps": 2}, turns)):
+                                 (11, done11, turns),
+                                 (12, {**done11, "turns_steps": 2, "resettle_steps": 2}, ["renumber"] * 2)):
         base = tmp_path / f"base{version}"
         pretrain.build(pretrain.Args(**{**dict.fromkeys(later, 0), **made}, **kw), base)
         stored = json.loads((base / "recipe.json").read_text())
-        newer = {9: ("infer", "stone", "settle"), 10: ("stone", "settle"), 11: ()}[version] + ("turns", "resettle")
+        newer = {9: ("infer", "stone", "settle", "turns", "resettle"), 10: ("stone", "settle", "turns", "resettle"),
+                 11: ("turns", "resettle"), 12: ()}[version] + ("renumber",)
         old = {k: v for k, v in stored.items() if not k.startswith(newer)} | {"version": version}
         (base / "recipe.json").write_text(json.dumps(old))
         args = pretrain.Args(**later, base=str(base), **kw)
         pretrain.build(args, tmp_path / f"cont{version}")
         rows = [json.loads(r) for r in (tmp_path / f"cont{version}" / "metrics.jsonl").read_text().splitlines()]
-        assert [r["step"] for r in rows] == list(range(1, 20)) and [r["phase"] for r in rows[19 - len(lacks):]] == lacks
+        assert [r["step"] for r in rows] == list(range(1, 22)) and [r["phase"] for r in rows[21 - len(lacks):]] == lacks
         b = load(tmp_path / f"cont{version}").state_dict()
         assert all(torch.equal(whole[k], b[k]) for k in whole), version
         assert json.loads((tmp_path / f"cont{version}" / "recipe.json").read_text()) == pretrain.recipe(args)
-    (tmp_path / "base11" / "recipe.json").write_text(json.dumps(old | {"anneal_steps": 5}))
+    (tmp_path / "base12" / "recipe.json").write_text(json.dumps(old | {"anneal_steps": 5}))
     with pytest.raises(SystemExit) as e:
         pretrain.build(args, tmp_path / "other")
     assert e.value.code == 2 and "--base" in capsys.readouterr().err
