@@ -389,10 +389,6 @@ class AlchemyEnv:
             self._trial_value += value
             reward = self._score() - old
             result = cauldron_text(args[0], value, stone_text(latent ^ self._chem.flips))
-            # the stones left are renumbered s1..sn: a later turn's stone is read from the state, where the
-            # reader names the first stone s1 (measured: with the old ids kept, a later turn named a stone no
-            # longer on the table; docs/reader.md, recipe 14)
-            self._stones = {i + 1: v for i, v in enumerate(self._stones.values())}
         else:
             result = "You end the trial."
         self.info.update(value=self._value, score=self._score())

@@ -59,12 +59,7 @@ class Args(pretrain.Args):
     """Build (or check) CAMG's reader. The defaults are its recipe."""
     steps: int = 1500            # at most this many optimizer steps (the phases end earlier once mastered)
     anneal_steps: int = 200      # then the cool-down (lr decaying to 0 on the last phase's mix)
-    infer_steps: int = 0         # (RIME's inference, stone, settling and renumbering stages: not part of this course)
-    stone_steps: int = 0
-    settle_steps: int = 0
-    turns_steps: int = 0
-    resettle_steps: int = 0
-    renumber_steps: int = 0
+    infer_steps: int = 0         # (RIME's inference stage: not part of this course)
     repeat_steps: int = 1500     # then the repeats stage (span items beside the acting mix; recipe 4)
     keyed_steps: int = 3000      # then the keyed stage (the chat rungs, most of all the keyed carry; recipe 6)
     save_steps: int = 1000       # then the save stage (the save in the tasks' own form; recipe 7)
@@ -369,11 +364,11 @@ def recipe(args: Args) -> dict:
 
 
 def stages(args: Args) -> list:
-    return [pretrain.Stage("cool-down", PHASES[-1][2], args.anneal_steps, ANNEAL_SEED),
-            pretrain.Stage("repeats", REPEATS, args.repeat_steps, REPEAT_SEED),
-            pretrain.Stage("keyed", KEYED, args.keyed_steps, KEYED_SEED),
-            pretrain.Stage("save", SAVES, args.save_steps, SAVE_SEED),
-            pretrain.Stage("line", LINES, args.line_steps, LINE_SEED)]
+    return [("cool-down", PHASES[-1][2], args.anneal_steps, ANNEAL_SEED),
+            ("repeats", REPEATS, args.repeat_steps, REPEAT_SEED),
+            ("keyed", KEYED, args.keyed_steps, KEYED_SEED),
+            ("save", SAVES, args.save_steps, SAVE_SEED),
+            ("line", LINES, args.line_steps, LINE_SEED)]
 
 
 # recipe 5 = recipe 4 on a new BPE (Shop's words in fewer pieces); a finished recipe-5 reader has this

@@ -1,6 +1,6 @@
 """The laptop model learns to read before it meets a task: in-context lookup, from synthetic random data.
 
-    python pretrain.py            # build the reader once (~3 h on 2 cores) and cache it; rerun = reuse
+    python pretrain.py            # build the reader once (~90 min on 2 cores) and cache it; rerun = reuse
     python pretrain.py --check    # the reading ladder: accuracy per rung on held-out items, beside chance
     python pretrain.py --where    # the reader's HF directory (weights + tokenizer; model.load / load_tokenizer)
 
@@ -31,13 +31,7 @@ So the reader is trained here, like a downloaded checkpoint, on a curriculum of 
 The phases advance by mastery at a constant lr (their length is not known in advance); then a cool-down
 of 300 steps on the last phase's mix with the lr decaying to 0 (the decay of a warm-up / stable / decay
 schedule) settles what the constant lr's noise kept moving; then the inference stage (recipe 10): the
-infer rung beside that mix, the same lr shape; then (recipe 11) the stone stage, lookup_action alone at a
-constant lr, where the reader learns to copy a stone's id from the state (it forms in ~100 steps there,
-never in a mix, and the hop is lost meanwhile), and the settling stage, every rung again with the lr
-decaying, where the hop and the inference come back and the stone copy stays; then (recipe 12) the turns
-stage, the later-turn hop alone at that constant lr, and a second settling stage (the later-turn hop
-0.765 -> 0.840; it does not form alone as the stone copy did, docs/reader.md). `--base` builds it from a
-finished recipe-9, 10 or 11 reader.
+infer rung beside that mix, the same lr shape. `--base` builds it from a finished recipe-9 reader.
 
 Every word is drawn at random from the tokenizer's whole-word tokens and paired at random: no fact of
 any Alchemy world, task or answer appears (Alchemy's words are among thousands of pairings, never a
@@ -66,7 +60,6 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
@@ -74,7 +67,7 @@ import cli
 
 REPO = Path(__file__).resolve().parent
 SHIPPED = REPO / "weights" / "reader"
-RECIPE_VERSION = 14         # bump when the data or the model changes: the cache key and the shipped check use it
+RECIPE_VERSION = 10         # bump when the data or the model changes: the cache key and the shipped check use it
 
 
 # -----------------------------------------------------------------------------
@@ -90,12 +83,6 @@ class Args:
     anneal_steps: int = 300      # then the cool-down: this many steps of the last phase's mix, lr decaying to 0
     anneal_lr: float = 1e-3      # the cool-down's peak lr (a fresh AdamW, 20 warm-up steps: anneal_lr_at)
     infer_steps: int = 1000      # then the inference stage: the cool-down's mix plus the infer rung, same lr shape
-    stone_steps: int = 250       # then the stone stage: lookup_action alone at a constant lr (recipe 11)
-    stone_lr: float = 3e-3       # its lr (20 warm-up steps, then constant: the copy forms suddenly, docs/reader.md)
-    settle_steps: int = 600      # then the settling stage: every rung (SETTLE), anneal_lr decaying to 0
-    turns_steps: int = 250       # then the turns stage: the later-turn hop alone at stone_lr, constant (recipe 12)
-    resettle_steps: int = 600    # then the second settling stage: SETTLE again, anneal_lr decaying to 0
-    renumber_steps: int = 300    # then the renumbering stage: SETTLE on later turns whose stones are renumbered (recipe 14)
     seed: int = 0
     micro_tokens: int = 4096     # tokens per micro-batch (a step's items, sorted by length, padded per micro-batch)
     checkpoint_every: int = 100  # steps between resumable checkpoints (out/partial.pt)
@@ -103,7 +90,7 @@ class Args:
     target: float = 0.9          # the ladder's bar for every rung the tasks use
     out: str = ""                # build into this dir instead of the cache (e.g. weights/reader to ship it)
     base: str = ""               # build from this finished reader of the previous recipe (curriculum + cool-down):
-                                 # only the stages it lacks run (recipe 12 from the recipe-11 weights: docs/reader.md)
+                                 # only the stages it lacks run (recipe 10 from the recipe-9 weights: docs/reader.md)
     check: bool = False          # print the ladder of the reader (building it first if needed); exit 1 below target
     where: bool = False          # print the reader's directory and exit
     threads: int = 0             # CPU threads (0 = all cores)
@@ -111,8 +98,7 @@ class Args:
     def __post_init__(self):
         for name in ("steps", "batch", "micro_tokens", "eval_items", "checkpoint_every"):
             cli.check(getattr(self, name) >= 1, f"{cli.flag(name)} must be >= 1, got {getattr(self, name)}")
-        for name in ("anneal_steps", "infer_steps", "stone_steps", "settle_steps", "turns_steps", "resettle_steps",
-                     "renumber_steps"):
+        for name in ("anneal_steps", "infer_steps"):
             cli.check(getattr(self, name) >= 0, f"{cli.flag(name)} must be >= 0, got {getattr(self, name)}")
         cli.check(not self.base or (Path(self.base) / "recipe.json").is_file(),
                   f"--base {self.base!r}: not a finished reader (no recipe.json there)")
@@ -120,7 +106,6 @@ class Args:
                   "--base and --out must differ (the build starts by clearing --out)")
         cli.check_number("lr", self.lr, lo=0, lo_open=True)
         cli.check_number("anneal_lr", self.anneal_lr, lo=0, lo_open=True)
-        cli.check_number("stone_lr", self.stone_lr, lo=0, lo_open=True)
         cli.check_number("target", self.target, lo=0)
         cli.check(self.threads >= 0, f"--threads must be >= 0, got {self.threads}")
 
@@ -138,11 +123,6 @@ def reader_recipe(args: Args) -> dict:
             "anneal_steps": args.anneal_steps, "anneal_lr": args.anneal_lr,
             "anneal_seed": ANNEAL_SEED, "infer_steps": args.infer_steps,
             "infer_seed": INFER_SEED, "infer_weight": INFER_WEIGHT,
-            "stone_steps": args.stone_steps, "stone_lr": args.stone_lr, "stone_seed": STONE_SEED,
-            "settle_steps": args.settle_steps, "settle_seed": SETTLE_SEED, "settle": SETTLE,
-            "turns_steps": args.turns_steps, "turns_seed": TURNS_SEED,
-            "resettle_steps": args.resettle_steps, "resettle_seed": RESETTLE_SEED,
-            "renumber_steps": args.renumber_steps, "renumber_seed": RENUMBER_SEED,
             "phases": PHASES, "gate_every": GATE_EVERY, "pool_seed": POOL_SEED,
             "pool": POOL, "task_words": TASK_WORDS}
 
@@ -431,7 +411,6 @@ class Data:
             if act[0] == "cauldron":
                 words, v = stones.pop(sid)
                 outcome = cauldron_text(sid, v, " ".join(words))
-                stones = {i: s for i, s in enumerate(stones.values(), 1)}   # as alchemy.py: the ids renumbered
             else:
                 pid = min(p for p, c in potions.items() if c == act[1])
                 colour, (words, _) = potions.pop(pid), stones[sid]
@@ -520,7 +499,7 @@ class Course:
     phases: list                # the curriculum (PHASES' shape)
     pool: int                   # words the rungs draw from (0: the data's whole pool)
     recipe: object              # args -> the recipe dict (READER's: reader_recipe)
-    stages: object              # args -> [Stage, ...]: what runs after the curriculum
+    stages: object              # args -> [(name, {rung: weight}, steps, item seed)] after the curriculum
     args: type = None           # its Args (the defaults are the shipped recipe); None: Args
     stage_only: frozenset = frozenset()
     base_stages: tuple = ()     # ((recipe version, stages a finished reader of it has), ...)
@@ -579,39 +558,18 @@ def lr_at(step: int, args: Args) -> float:
     return args.lr * min(1.0, (step + 1) / 50)
 
 
-def anneal_lr_at(i: int, args: Args, steps: int = None, stage=None) -> float:
-    """A stage's lr at its step i: 20 warm-up steps (its AdamW is fresh) to its peak (anneal_lr unless the
-    stage says), then linear to 0 at its `steps` (the cool-down's: anneal_steps), or constant for a stage
-    with decay=False. Measured on the recipe-8 reader (docs/reader.md, "The cool-down"): 300 decaying steps
-    took the hop 0.695 -> 0.92 and 1-of-12 0.680 -> 0.895; at a constant lr the gate checks swung 0.47-0.70."""
+def anneal_lr_at(i: int, args: Args, steps: int = None) -> float:
+    """A stage's lr at its step i: 20 warm-up steps (its AdamW is fresh) to anneal_lr, then linear to 0 at
+    its `steps` (the cool-down's: anneal_steps). Measured on the recipe-8 reader (docs/reader.md, "The
+    cool-down"): 300 such steps took the hop 0.695 -> 0.92 and 1-of-12 0.680 -> 0.895; at a constant lr
+    the gate checks swung 0.47-0.70."""
     steps = args.anneal_steps if steps is None else steps
-    peak = (stage.lr if stage is not None and stage.lr else args.anneal_lr) * min(1.0, (i + 1) / 20)
-    return peak if stage is not None and not stage.decay else peak * (1 - i / steps)
+    return args.anneal_lr * min(1.0, (i + 1) / 20) * (1 - i / steps)
 
 
 ANNEAL_SEED = 4_242         # + --seed: the cool-down's items (neither the curriculum's stream nor a check's)
 INFER_SEED = 7_777          # + --seed: the inference stage's items
 INFER_WEIGHT = 0.7          # the infer rung's share of the inference stage's items (the rest: the cool-down's mix)
-STONE_SEED = 31_001         # + --seed: the stone stage's items
-SETTLE_SEED = 31_002        # + --seed: the settling stage's items
-TURNS_SEED = 31_003         # + --seed: the turns stage's items
-RESETTLE_SEED = 31_004      # + --seed: the second settling stage's items
-RENUMBER_SEED = 31_005      # + --seed: the renumbering stage's items
-# the settling stage's mix: every rung the tasks use, the later-turn hop the most (its stone copy is new)
-SETTLE = {"recall": 0.05, "copy": 0.05, "lookup6": 0.05, "lookup12": 0.1, "lookup_cap": 0.05, "lookup_action": 0.15,
-          "hop": 0.15, "history": 0.3, "infer": 0.1}
-
-
-class Stage(NamedTuple):
-    """A stage after the curriculum: `steps` steps of a fixed mix of rungs with a fresh AdamW, on items of
-    its own seed (+ --seed); lr: its peak (0: --anneal-lr); decay: linear to 0 over the stage, else constant
-    after the warm-up (anneal_lr_at)."""
-    name: str
-    weights: dict
-    steps: int
-    seed: int
-    lr: float = 0.0
-    decay: bool = True
 
 
 def stages(args: Args, course=None) -> list:
@@ -622,29 +580,15 @@ def stages(args: Args, course=None) -> list:
 
 def reader_stages(args: Args) -> list:
     """READER's stages: the cool-down settles the curriculum's last phase; the inference stage adds the
-    infer rung (recipe 10) while rehearsing that mix; the stone stage forms the copy of a stone's id from
-    the state alone, and the settling stage brings every rung back beside it (recipe 11: in a mix the copy
-    never formed, alone it forms in ~100 steps and the hop falls to 0 meanwhile; docs/reader.md); the turns
-    stage trains the later-turn hop alone and the second settling stage brings every rung back again (recipe
-    12: the later-turn hop 0.765 -> 0.840); the renumbering stage trains every rung again on later turns whose
-    stones are renumbered after a cauldron move, as alchemy.py shows them (recipe 14: a later turn's errors
-    named a stone no longer on the table; with the ids always s1..sn the later-turn hop reaches 0.9).
-    Recipe 14 was built from the recipe-12 weights (--base), whose stages saw the old ids."""
+    infer rung (recipe 10) while rehearsing that mix."""
     last = PHASES[-1][2]
     mix = {**{r: w * (1 - INFER_WEIGHT) for r, w in last.items()}, "infer": INFER_WEIGHT}
-    return [Stage("cool-down", last, args.anneal_steps, ANNEAL_SEED), Stage("infer", mix, args.infer_steps, INFER_SEED),
-            Stage("stone", {"lookup_action": 1.0}, args.stone_steps, STONE_SEED, args.stone_lr, decay=False),
-            Stage("settle", SETTLE, args.settle_steps, SETTLE_SEED),
-            Stage("turns", {"history": 1.0}, args.turns_steps, TURNS_SEED, args.stone_lr, decay=False),
-            Stage("resettle", SETTLE, args.resettle_steps, RESETTLE_SEED),
-            Stage("renumber", SETTLE, args.renumber_steps, RENUMBER_SEED)]
+    return [("cool-down", last, args.anneal_steps, ANNEAL_SEED), ("infer", mix, args.infer_steps, INFER_SEED)]
 
 
-# rime.py's reader; a finished recipe-9 reader has the curriculum and the cool-down, a recipe-10 one also
-# the inference stage, a recipe-11 one also the stone and settling stages, a recipe-12 one also the turns
-# and second settling stages (--base builds on any of them)
+# rime.py's reader; a finished recipe-9 reader has the curriculum and the cool-down (--base builds on it)
 READER = Course("reader", SHIPPED, new_model, Data, RUNGS, PHASES, POOL, reader_recipe, reader_stages,
-                stage_only=frozenset(STAGE_ONLY), base_stages=((9, 1), (10, 2), (11, 4), (12, 6)))
+                stage_only=frozenset(STAGE_ONLY), base_stages=((9, 1),))
 
 
 VALIDATION_SEED = 20_011    # the gate checks' items: neither the training stream (--seed) nor the ladder's
@@ -727,7 +671,7 @@ def build(args: Args, out: Path, course=None) -> Path:
         model, tok, start, current, cool = from_base(args, out, course)
     else:
         print(f"pretrain: building the reader (at most {args.steps} + "
-              f"{' + '.join(str(st.steps) for st in plan)} steps, batch {args.batch}) into {out}; "
+              f"{' + '.join(str(n) for _, _, n, _ in plan)} steps, batch {args.batch}) into {out}; "
               "this runs once and is then reused")
     model.train()
     log = open(out / "metrics.jsonl", "a")
@@ -736,7 +680,7 @@ def build(args: Args, out: Path, course=None) -> Path:
         cool, start = {"end": end, "stage": 0}, end
     for k in range(cool.get("stage", 0), len(plan)):
         anneal(model, tok, args, log, partial, cool, start, k, course)
-        start = cool["end"] + plan[k].steps
+        start = cool["end"] + plan[k][2]
         cool = {"end": start, "stage": k + 1}
     log.close()
     result = with_all_words(model, tok, ladder(model, tok, args.eval_items, course=course), course=course)
@@ -765,7 +709,7 @@ def from_base(args: Args, out: Path, course=None):
     (out / "metrics.jsonl").write_text("".join(r + "\n" for r in rows))
     end = json.loads(rows[-1])["step"]
     print(f"pretrain: starting from {base} (recipe {stored['version']}, step {end}): "
-          f"{', '.join(st.name for st in stages(args, course)[done:])} to run")
+          f"{', '.join(name for name, _, _, _ in stages(args, course)[done:])} to run")
     return load(base), load_tokenizer(base), end, len(course.phases) - 1, {"end": end, "stage": done}
 
 
@@ -836,10 +780,9 @@ def anneal(model, tok, args: Args, log, partial: Path, cool: dict, start: int, k
     its last checkpoints swing with that lr's noise; the decay settles them."""
     from tqdm import tqdm
     course = course or READER
-    stage = stages(args, course)[k]
-    name, weights, steps, seed = stage.name, stage.weights, stage.steps, stage.seed
+    name, weights, steps, seed = stages(args, course)[k]
     pool, share = course.phases[-1][1], course.phases[-1][3]
-    opt = new_optimizer(model, stage.lr or args.anneal_lr)
+    opt = new_optimizer(model, args.anneal_lr)
     data = course.data(tok, args.seed + seed)
     data.use_pool(pool)
     if "opt" in cool:
@@ -853,7 +796,7 @@ def anneal(model, tok, args: Args, log, partial: Path, cool: dict, start: int, k
     t0 = time.time()
     for i in bar:
         items = step_items(data, weights, max(1, int(args.batch * share)))
-        lr = anneal_lr_at(i, args, steps, stage)
+        lr = anneal_lr_at(i, args, steps)
         for g in opt.param_groups:
             g["lr"] = lr
         loss = train_step(model, opt, items, tok.pad_token_id, args.micro_tokens)

@@ -201,9 +201,8 @@ def reading_data(tokenizer, seed: int):
 
 
 def reading_rows(data, n: int, rng: random.Random) -> list:
-    """n rows of the reader's own curriculum (the mix of pretrain.py's last stage, the settling stage: notes
-    looked up and acted on at first and later turns, a stone's id copied into the action, and the best stone
-    inferred from stone values, over random words), as (tokens, loss mask):
+    """n rows of the reader's own curriculum (the mix of pretrain.py's last stage: notes looked up and acted
+    on, and the best stone inferred from stone values, over random words), as (tokens, loss mask):
     rehearsed beside the warm start's rows so that imitating the protocol does not overwrite the reading
     (measured: without them, 150 steps at lr 3e-3 took lookup6 from 1.00 to 0.16 and the hop from 0.52 to
     0.00). Random content: no task knowledge."""
