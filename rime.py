@@ -885,7 +885,7 @@ def main(argv=None) -> Run:
             cli.fail("rime.py", f"the judge: {e}; stopped at RL step {step + 1} (a rerun resumes from the last checkpoint)")
         bar.set_postfix_str(cli.health_line(row, RL_HEALTH))
         run.state["step"] = step + 1
-        if args.eval_every and run.state["step"] % args.eval_every == 0 and run.d.is_main:
+        if args.eval_every and run.state["step"] % args.eval_every == 0 and run.state["step"] < args.steps and run.d.is_main:
             evaluate_phase(run, run.state["step"])
         if run.state["step"] % args.checkpoint_every == 0 or run.state["step"] == args.steps:
             save_checkpoint(run)

@@ -253,6 +253,17 @@ def test_resume_restores_reference_and_writers(tmp_path, writer):
         assert _same(_params(whole.writer_learner.ref_model), _params(resumed.writer_learner.ref_model))
 
 
+def test_eval_every_evaluates_between_and_the_last_step_once(tmp_path):
+    """--eval-every N evaluates the held-out streams every N RL steps; the last step's is the final
+    evaluation only (an evaluation is greedy: a second one would repeat it)."""
+    rime.main(["--model", "tiny", "--steps", "2", "--eval-every", "1", "--warmstart-steps", "2",
+               "--warmstart-streams", "2", "--warmstart-batch", "2", "--eval-streams", "1", "--eval-segment", "1",
+               "--max-turns", "3", "--run-dir", str(tmp_path)])
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    evals = [(r["step"], bool(r.get("final"))) for r in rows if r.get("phase") == "eval"]
+    assert evals == [(0, False), (1, False), (2, True)]
+
+
 def test_rerun_gives_the_same_figures(smoke, tmp_path):
     """The same command twice (different hash seeds, as two fresh processes get) writes the same
     metrics, bar the timings."""
